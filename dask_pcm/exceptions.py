@@ -1,0 +1,40 @@
+"""Every exception dask_pcm raises, in one place.
+
+All derive from :class:`PCMError`, so ``except dask_pcm.PCMError`` catches any of them.
+Messages name the thing that is wrong: the model path, the context, the worker address.
+"""
+
+from __future__ import annotations
+
+
+class PCMError(Exception):
+    """Base class of every dask_pcm error."""
+
+
+class ModelSourceError(PCMError, ValueError):
+    """A model or template source cannot be used: missing path, unknown format, hub offline."""
+
+
+class ContextLoadError(PCMError, RuntimeError):
+    """A context's loader failed on one or more workers.
+
+    ``failures`` maps each worker address to the loader's message on that worker.
+    """
+
+    def __init__(self, message: str, failures: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[str, str] = dict(failures or {})
+
+    def __reduce__(self):  # keep ``failures`` when the error travels between processes
+        return (type(self), (self.args[0], self.failures))
+
+
+class ContextNotFoundError(PCMError, KeyError):
+    """A task asked for a context that is not registered on the worker it runs on."""
+
+    def __str__(self) -> str:  # KeyError would wrap the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class ContextTimeoutError(PCMError, TimeoutError):
+    """A context did not become ready on a worker within the configured time."""

@@ -1,0 +1,69 @@
+"""Host-wide locks between worker processes, built on ``flock``.
+
+A Dask ``Semaphore`` would need a scheduler round trip and a client on every worker, and a
+lease held by a killed worker only expires after a timeout. An ``flock`` on a file in the
+host's temporary folder is released by the kernel the moment its holder dies, works before the
+worker has registered, and is per host by construction, which is what "one load per host at a
+time" means. ``flock`` locks belong to open file descriptions, so two threads of one process
+that open the file separately exclude each other too (in-process test clusters rely on that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+_POLL_SECONDS = 0.05
+
+
+def _lock_dir() -> Path:
+    path = Path(tempfile.gettempdir()) / f"dask-pcm-locks-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the ``with`` block."""
+    fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def host_slot(name: str, slots: int = 1) -> Iterator[int]:
+    """Take one of ``slots`` host-wide slots called ``name``; yields the slot number.
+
+    Blocks (polling) until a slot is free. Use it in a thread, never on an event loop.
+    """
+    if slots < 1:
+        raise ValueError(f"need at least one slot for {name!r}, got {slots}")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    fds = []
+    try:
+        for i in range(slots):
+            fds.append(os.open(_lock_dir() / f"{safe}.{i}.lock", os.O_RDWR | os.O_CREAT, 0o644))
+        while True:
+            for i, fd in enumerate(fds):
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                try:
+                    yield i
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                return
+            time.sleep(_POLL_SECONDS)
+    finally:
+        for fd in fds:
+            os.close(fd)
