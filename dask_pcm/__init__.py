@@ -1,0 +1,65 @@
+"""dask_pcm: Pervasive Context Management for Dask.
+
+Keep the expensive, reusable state of many small tasks (an LLM on its device, its
+tokenizer) resident on Dask workers, and run thousands of small inference tasks against it.
+
+Examples
+--------
+>>> import dask_pcm
+>>> from distributed import Client
+>>> client = Client(dask_pcm.local_cluster(n_workers=2))             # doctest: +SKIP
+>>> dask_pcm.register(client, dask_pcm.causal_lm(name="smollm2"))   # doctest: +SKIP
+>>> def complete(prompt):
+...     return dask_pcm.get_context("smollm2").complete(prompt)
+>>> dask_pcm.submit(client, complete, "The capital of France is", context="smollm2").result()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
+from dask_pcm.client import map, register, registered_contexts, status, submit, unregister
+from dask_pcm.cluster import Nanny, local_cluster
+from dask_pcm.context import Context, causal_lm
+from dask_pcm.embedded import build_tiny_llama, embedded_model_dir
+from dask_pcm.exceptions import (
+    ContextLoadError,
+    ContextNotFoundError,
+    ContextTimeoutError,
+    ModelSourceError,
+    PCMError,
+)
+from dask_pcm.llm import CausalLM, LanguageModel
+from dask_pcm.tasks import ContextTask, get_context, uses_context
+
+try:
+    __version__ = version("dask-pcm")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = [
+    "CausalLM",
+    "Context",
+    "ContextLoadError",
+    "ContextNotFoundError",
+    "ContextTask",
+    "ContextTimeoutError",
+    "LanguageModel",
+    "ModelSourceError",
+    "Nanny",
+    "PCMError",
+    "__version__",
+    "build_tiny_llama",
+    "causal_lm",
+    "embedded_model_dir",
+    "get_context",
+    "local_cluster",
+    "map",
+    "register",
+    "registered_contexts",
+    "status",
+    "submit",
+    "unregister",
+    "uses_context",
+]

@@ -1,0 +1,216 @@
+"""The client side: register contexts, submit work that uses them, read their status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from dask_pcm import config
+from dask_pcm.context import Context
+from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.tasks import ContextTask
+from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
+
+if TYPE_CHECKING:
+    from distributed import Client, Future, Worker
+
+logger = logging.getLogger(__name__)
+
+STATUS_COLUMNS = [
+    "worker",
+    "context",
+    "state",
+    "level",
+    "loads",
+    "load_seconds",
+    "tasks",
+    "device",
+    "template",
+    "location",
+    "template_bytes",
+    "error",
+]
+
+
+def register(
+    client: Client,
+    *contexts: Context,
+    level: str | None = None,
+    timeout: float | str | None = None,
+) -> pd.DataFrame:
+    """Materialise ``contexts`` on every worker of ``client``'s cluster, now and later.
+
+    Registers one :class:`~distributed.WorkerPlugin` per context through
+    ``Client.register_plugin``; workers that join later build the context when they join.
+    Then waits until the context is ready (or failed) on every worker present.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    *contexts : Context
+        The contexts to register, e.g. from :func:`dask_pcm.causal_lm`.
+    level : {"full", "partial", "agnostic"}, optional
+        Level for contexts that do not name one; default ``pcm.default-level``.
+    timeout : float or str, optional
+        Give up waiting for the present workers after this long (``"10 minutes"``);
+        default: wait as long as loads run.
+
+    Returns
+    -------
+    pandas.DataFrame
+        :func:`status` of the registered contexts.
+
+    Raises
+    ------
+    ContextLoadError
+        The loader failed on one or more present workers; ``failures`` maps each worker
+        address to its message. A context that failed on *every* present worker is
+        unregistered again; one that is ready on some workers stays registered there.
+
+    Examples
+    --------
+    >>> ctx = dask_pcm.causal_lm(name="smollm2")          # doctest: +SKIP
+    >>> dask_pcm.register(client, ctx)                     # doctest: +SKIP
+    """
+    if not contexts:
+        raise ValueError("register() needs at least one Context")
+    names = [c.name for c in contexts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate context names in register(): {names}")
+    for ctx in contexts:
+        if not isinstance(ctx, Context):
+            raise TypeError(f"register() takes Context objects, got {ctx!r}")
+        chosen = config.check_level(ctx.level or level or config.default_level())
+        client.register_plugin(ContextPlugin(ctx, chosen), name=plugin_name(ctx.name))
+        logger.info("Registered context %r at level %s", ctx.name, chosen)
+
+    wait_s = None if timeout is None else _seconds(timeout)
+    results: dict[str, dict[str, str | None]] = client.run(_wait_ready, names, wait_s)
+    failures: dict[str, dict[str, str]] = {}
+    for worker, per_context in results.items():
+        for name, error in per_context.items():
+            if error is not None:
+                failures.setdefault(name, {})[worker] = error
+    if failures:
+        lines = []
+        for name, by_worker in failures.items():
+            everywhere = len(by_worker) == len(results)
+            if everywhere:
+                unregister(client, name)
+            lines.append(
+                f"context {name!r} failed on {len(by_worker)} of {len(results)} worker(s)"
+                + (" and was unregistered:" if everywhere else ":")
+            )
+            lines.extend(f"  {w}: {msg}" for w, msg in sorted(by_worker.items()))
+        merged = {w: m for by_worker in failures.values() for w, m in by_worker.items()}
+        raise ContextLoadError("\n".join(lines), merged)
+    return status(client, names)
+
+
+async def _wait_ready(
+    dask_worker: Worker, names: list[str], timeout: float | None
+) -> dict[str, str | None]:
+    plugins = context_plugins(dask_worker)
+    out: dict[str, str | None] = {}
+    for name in names:
+        plugin = plugins.get(name)
+        if plugin is None:
+            out[name] = f"context {name!r} is not registered on this worker"
+            continue
+        try:
+            await asyncio.to_thread(plugin.wait_ready, timeout)
+            out[name] = None
+        except Exception as exc:
+            out[name] = plugin.error or str(exc)
+    return out
+
+
+def _seconds(value: float | str) -> float:
+    from dask.utils import parse_timedelta
+
+    return float(parse_timedelta(value, default="s"))
+
+
+def unregister(client: Client, *names: str) -> None:
+    """Remove contexts from every worker and free them (device memory included).
+
+    Raises
+    ------
+    ContextNotFoundError
+        A name is not registered.
+
+    Examples
+    --------
+    >>> dask_pcm.unregister(client, "smollm2")             # doctest: +SKIP
+    """
+    registered = registered_contexts(client)
+    missing = [n for n in names if n not in registered]
+    if missing:
+        raise ContextNotFoundError(
+            f"not registered: {missing}; registered contexts: {sorted(registered) or 'none'}"
+        )
+    for name in names:
+        client.unregister_worker_plugin(plugin_name(name))
+
+
+def registered_contexts(client: Client) -> list[str]:
+    """Names of the contexts registered with the scheduler (for present and future workers)."""
+
+    def names(dask_scheduler: Any) -> list[str]:
+        return [n for n in dask_scheduler.worker_plugins if n.startswith(PLUGIN_PREFIX)]
+
+    return sorted(n[len(PLUGIN_PREFIX) :] for n in client.run_on_scheduler(names))
+
+
+def _rows(dask_worker: Worker) -> list[dict[str, Any]]:
+    return [p.info() for p in context_plugins(dask_worker).values()]
+
+
+def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFrame:
+    """One row per worker and context: state, level, loads, load seconds, tasks served.
+
+    Columns: ``worker, context, state, level, loads, load_seconds, tasks, device,
+    template, location, template_bytes, error``. ``state`` is ``fetching`` (copying the
+    template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``closed``.
+
+    Examples
+    --------
+    >>> dask_pcm.status(client)[["worker", "context", "state", "loads", "tasks"]]  # doctest: +SKIP
+    """
+    rows = [row for rs in client.run(_rows).values() for row in rs]
+    frame = pd.DataFrame(rows, columns=STATUS_COLUMNS)
+    if contexts is not None:
+        frame = frame[frame["context"].isin(list(contexts))]
+    return frame.sort_values(["context", "worker"], ignore_index=True)
+
+
+def submit(client: Client, fn: Any, *args: Any, context: str | list[str], **kwargs: Any) -> Future:
+    """``client.submit`` for a function that uses ``context`` through ``get_context``.
+
+    Keyword arguments are those of :meth:`distributed.Client.submit` (``key``, ``pure``,
+    ``retries``, ``priority``...); the rest go to ``fn``, exactly as with ``Client.submit``.
+
+    Examples
+    --------
+    >>> def answer(prompt):
+    ...     return dask_pcm.get_context("smollm2").complete(prompt)
+    >>> fut = dask_pcm.submit(client, answer, "Hello", context="smollm2")  # doctest: +SKIP
+    """
+    return client.submit(ContextTask(fn, context), *args, **kwargs)
+
+
+def map(  # mirrors Client.map, hence the name
+    client: Client, fn: Any, *iterables: Collection[Any], context: str | list[str], **kwargs: Any
+) -> list[Future]:
+    """``client.map`` for a function that uses ``context`` through ``get_context``.
+
+    Examples
+    --------
+    >>> futs = dask_pcm.map(client, answer, prompts, context="smollm2")  # doctest: +SKIP
+    >>> client.gather(futs)                                             # doctest: +SKIP
+    """
+    return client.map(ContextTask(fn, context), *iterables, **kwargs)

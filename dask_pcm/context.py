@@ -1,0 +1,108 @@
+"""The :class:`Context` declaration: what a task needs, how to build it, and where from."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dask_pcm import config
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(frozen=True)
+class Context:
+    """A named context: a loader plus the *template* (files) it builds from.
+
+    A context is declared once on the client and materialised on every worker by
+    :func:`dask_pcm.register`. Tasks then fetch the built object with
+    :func:`dask_pcm.get_context`.
+
+    Parameters
+    ----------
+    name : str
+        Name tasks use to ask for the context (letters, digits, ``_.-``).
+    loader : callable
+        ``loader(location) -> object``. ``location`` is the template as a string: the
+        source itself at levels ``full`` and ``agnostic``, the worker-local copy of its files
+        at level ``partial``. It runs on workers, so it must pickle (a module-level function
+        or a small object such as :class:`dask_pcm.CausalLM`). If it has a
+        ``release(obj)`` method, that is called when a built object is dropped.
+    template : str or path, optional
+        What the loader builds from: a local Hugging Face directory, a ``.gguf`` file, a
+        hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, or ``"embedded"`` for the
+        SmolLM2-135M-Instruct model that ships with dask_pcm's install. ``None`` means
+        ``"embedded"``.
+    level : {"full", "partial", "agnostic"}, optional
+        Default level for this context; ``None`` defers to :func:`dask_pcm.register` and
+        then to ``pcm.default-level``.
+
+    Examples
+    --------
+    >>> from dask_pcm import Context, CausalLM
+    >>> ctx = Context("smollm2", CausalLM(device="auto"), template="embedded")
+    >>> ctx.name
+    'smollm2'
+    """
+
+    name: str
+    loader: Callable[[str], Any] = field(repr=False)
+    template: str | None = None
+    level: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"invalid context name {self.name!r}: use letters, digits, '_', '.', '-' "
+                "and start with a letter or digit"
+            )
+        if not callable(self.loader):
+            raise TypeError(f"context {self.name!r}: loader must be callable, got {self.loader!r}")
+        template = self.template
+        if template is not None and not isinstance(template, str):
+            template = os.fspath(template)
+        object.__setattr__(self, "template", "embedded" if template is None else template)
+        if self.level is not None:
+            config.check_level(self.level)
+
+
+def causal_lm(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    name: str = "llm",
+    level: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+) -> Context:
+    """A :class:`Context` holding a causal language model, its tokenizer and device.
+
+    Tasks receive a :class:`dask_pcm.LanguageModel` from ``get_context(name)``.
+
+    Parameters
+    ----------
+    source : str or path, optional
+        Local Hugging Face directory (safetensors), ``.gguf`` file, hub id, or ``None`` for
+        the embedded SmolLM2-135M-Instruct.
+    name : str
+        Context name.
+    level : {"full", "partial", "agnostic"}, optional
+        See :class:`Context`.
+    device : str
+        ``"auto"`` (CUDA when the worker has it, else CPU), ``"cpu"``, ``"cuda"``,
+        ``"cuda:1"``...
+    dtype : str
+        ``"auto"`` (float32 on CPU, bfloat16 or float16 on GPU) or a torch dtype name.
+
+    Examples
+    --------
+    >>> ctx = causal_lm(name="smollm2")
+    >>> ctx.template
+    'embedded'
+    """
+    from dask_pcm.llm import CausalLM
+
+    template = None if source is None else os.fspath(source)
+    return Context(name, CausalLM(device=device, dtype=dtype), template=template, level=level)

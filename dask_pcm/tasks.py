@@ -1,0 +1,156 @@
+"""The task side: how task code reaches the context on the worker it runs on.
+
+Task code is the same at every level: it calls :func:`get_context`. A task submitted with
+:func:`dask_pcm.submit`, :func:`dask_pcm.map` or wrapped by :func:`uses_context` is run by a
+:class:`ContextTask`, which waits until the worker's context is ready, builds a per-task
+context at levels ``partial`` and ``agnostic``, counts the task, and drops what it built
+when the task ends. The hot path at level ``full`` is two dict look-ups and a counter.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from dask.utils import funcname
+from distributed import get_worker
+
+from dask_pcm import config
+from dask_pcm.exceptions import ContextNotFoundError
+from dask_pcm.worker import ContextPlugin, context_plugins, plugin_name
+
+# Contexts acquired by the ContextTask running in this thread: {name: object}.
+_scope = threading.local()
+
+
+def _plugin(name: str) -> ContextPlugin:
+    try:
+        worker = get_worker()
+    except ValueError:
+        raise ContextNotFoundError(
+            f"get_context({name!r}) called outside a Dask worker: contexts live on workers; "
+            "submit the function with dask_pcm.submit / dask_pcm.map"
+        ) from None
+    plugin = worker.plugins.get(plugin_name(name))
+    if not isinstance(plugin, ContextPlugin) or not hasattr(plugin, "state"):
+        known = sorted(context_plugins(worker))
+        raise ContextNotFoundError(
+            f"context {name!r} is not registered on worker {worker.address} "
+            f"(registered: {known or 'none'}); call dask_pcm.register(client, context) first"
+        )
+    return plugin
+
+
+def get_context(name: str) -> Any:
+    """Return the ready context ``name`` inside a task.
+
+    Within a task run through :func:`dask_pcm.submit`, :func:`dask_pcm.map` or
+    :func:`uses_context`, this returns the object the task was given: the resident one
+    at level ``full``, one built for this task at ``partial`` and ``agnostic``. Called from
+    any other task it returns the resident object at level ``full`` and builds a new one
+    per call at the other levels.
+
+    Raises
+    ------
+    ContextNotFoundError
+        The context is not registered on this worker.
+    ContextLoadError
+        The context failed to build on this worker.
+    ContextTimeoutError
+        It did not become ready within ``pcm.worker.ready-timeout``.
+
+    Examples
+    --------
+    >>> def classify(prompts):                       # doctest: +SKIP
+    ...     lm = dask_pcm.get_context("smollm2")
+    ...     return lm.next_token_logits(prompts).argmax(-1).tolist()
+    >>> dask_pcm.submit(client, classify, ["Is water wet?"], context="smollm2")  # doctest: +SKIP
+    """
+    held = getattr(_scope, "contexts", None)
+    if held is not None and name in held:
+        return held[name]
+    value, _ = _plugin(name).acquire(config.ready_timeout())
+    return value
+
+
+@contextmanager
+def _acquired(names: Sequence[str]) -> Iterator[None]:
+    held: dict[str, Any] = getattr(_scope, "contexts", None) or {}
+    outer = dict(held)
+    taken: list[tuple[ContextPlugin, Any, bool]] = []
+    timeout = config.ready_timeout()
+    try:
+        for name in names:
+            plugin = _plugin(name)
+            value, owned = plugin.acquire(timeout)
+            taken.append((plugin, value, owned))
+            held[name] = value
+        _scope.contexts = held
+        yield
+    finally:
+        _scope.contexts = outer or None
+        for plugin, value, owned in taken:
+            plugin.done(value, owned)
+
+
+class ContextTask:
+    """A callable that runs ``fn`` with contexts ``names`` acquired on the worker.
+
+    Built by :func:`uses_context`, :func:`dask_pcm.submit` and :func:`dask_pcm.map`; it
+    pickles as the wrapped function plus the names.
+    """
+
+    __slots__ = ("__name__", "fn", "names")
+    fn: Callable[..., Any]
+    names: tuple[str, ...]
+
+    def __init__(self, fn: Callable[..., Any], names: str | Sequence[str]) -> None:
+        if not callable(fn):
+            raise TypeError(f"expected a callable, got {fn!r}")
+        self.fn = fn.fn if isinstance(fn, ContextTask) else fn
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if isinstance(fn, ContextTask):
+            names = tuple(dict.fromkeys(fn.names + names))
+        if not names:
+            raise ValueError("a context task needs at least one context name")
+        self.names = names
+        # Keys and the dashboard use the function's name, not "ContextTask".
+        self.__name__ = funcname(self.fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _acquired(self.names):
+            return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ContextTask, (self.fn, self.names))
+
+    def __dask_tokenize__(self) -> Any:
+        from dask.base import tokenize
+
+        return ("dask_pcm.ContextTask", tokenize(self.fn), self.names)
+
+    def __repr__(self) -> str:
+        return f"ContextTask({self.__name__}, contexts={list(self.names)})"
+
+
+def uses_context(*names: str) -> Callable[[Callable[..., Any]], ContextTask]:
+    """Decorator: the function's tasks run with contexts ``names`` acquired.
+
+    The decorated function can be given to ``client.submit``, ``client.map`` or
+    ``dask.delayed`` as it is.
+
+    Examples
+    --------
+    >>> @uses_context("smollm2")
+    ... def answer(prompt):
+    ...     return get_context("smollm2").complete(prompt)
+    >>> answer
+    ContextTask(answer, contexts=['smollm2'])
+    """
+
+    def wrap(fn: Callable[..., Any]) -> ContextTask:
+        return ContextTask(fn, names)
+
+    return wrap
