@@ -7,8 +7,6 @@ import logging
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
 from dask_pcm import config
 from dask_pcm.context import Context
 from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
@@ -16,6 +14,7 @@ from dask_pcm.tasks import ContextTask
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
 
 if TYPE_CHECKING:
+    import pandas as pd
     from distributed import Client, Future, Worker
 
 logger = logging.getLogger(__name__)
@@ -41,6 +40,7 @@ def register(
     *contexts: Context,
     level: str | None = None,
     timeout: float | str | None = None,
+    reload: bool = False,
 ) -> pd.DataFrame:
     """Materialise ``contexts`` on every worker of ``client``'s cluster, now and later.
 
@@ -58,6 +58,10 @@ def register(
     timeout : float or str, optional
         Give up waiting for the present workers after this long (``"10 minutes"``);
         default: wait as long as loads run.
+    reload : bool
+        Registering a context identical to one already registered (same name, loader,
+        template and level) keeps the resident copies, so a notebook can call ``register``
+        again without reloading the model. ``reload=True`` rebuilds it on every worker.
 
     Returns
     -------
@@ -85,13 +89,19 @@ def register(
         if not isinstance(ctx, Context):
             raise TypeError(f"register() takes Context objects, got {ctx!r}")
         chosen = config.check_level(ctx.level or level or config.default_level())
-        client.register_plugin(ContextPlugin(ctx, chosen), name=plugin_name(ctx.name))
+        plugin = ContextPlugin(ctx, chosen)
+        if not reload and _already_registered(client, plugin):
+            logger.info("Context %r already registered; reusing it", ctx.name)
+            continue
+        client.register_plugin(plugin, name=plugin.name)
         logger.info("Registered context %r at level %s", ctx.name, chosen)
 
     wait_s = None if timeout is None else _seconds(timeout)
-    results: dict[str, dict[str, str | None]] = client.run(_wait_ready, names, wait_s)
+    results = client.run(_wait_ready, names, wait_s, on_error="return")
     failures: dict[str, dict[str, str]] = {}
     for worker, per_context in results.items():
+        if isinstance(per_context, BaseException):  # the worker died or did not answer
+            per_context = dict.fromkeys(names, f"worker unreachable: {per_context!r}")
         for name, error in per_context.items():
             if error is not None:
                 failures.setdefault(name, {})[worker] = error
@@ -112,7 +122,7 @@ def register(
 
 
 async def _wait_ready(
-    dask_worker: Worker, names: list[str], timeout: float | None
+    names: list[str], timeout: float | None, dask_worker: Worker
 ) -> dict[str, str | None]:
     plugins = context_plugins(dask_worker)
     out: dict[str, str | None] = {}
@@ -127,6 +137,15 @@ async def _wait_ready(
         except Exception as exc:
             out[name] = plugin.error or str(exc)
     return out
+
+
+def _already_registered(client: Client, plugin: ContextPlugin) -> bool:
+    from distributed.protocol.pickle import dumps
+
+    def stored(name: str, dask_scheduler: Any = None) -> bytes | None:
+        return dask_scheduler.worker_plugins.get(name)
+
+    return client.run_on_scheduler(stored, plugin.name) == dumps(plugin)
 
 
 def _seconds(value: float | str) -> float:
@@ -181,7 +200,14 @@ def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFram
     --------
     >>> dask_pcm.status(client)[["worker", "context", "state", "loads", "tasks"]]  # doctest: +SKIP
     """
-    rows = [row for rs in client.run(_rows).values() for row in rs]
+    import pandas as pd
+
+    rows = []
+    for worker, result in client.run(_rows, on_error="return").items():
+        if isinstance(result, BaseException):
+            logger.warning("No context status from worker %s: %r", worker, result)
+            continue
+        rows.extend(result)
     frame = pd.DataFrame(rows, columns=STATUS_COLUMNS)
     if contexts is not None:
         frame = frame[frame["context"].isin(list(contexts))]

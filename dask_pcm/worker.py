@@ -107,7 +107,7 @@ class ContextPlugin(WorkerPlugin):
             self.state = CLOSED
         self._event.set()
         if value is not None:
-            self._release(value)
+            self._release(value, collect=True)
             logger.info("Released context %r on %s", self.context.name, self.worker_address)
 
     # -- building --------------------------------------------------------------------------
@@ -125,7 +125,7 @@ class ContextPlugin(WorkerPlugin):
                         if not self._closed:
                             self._value, value = value, None
                     if value is not None:  # torn down while loading
-                        self._release(value)
+                        self._release(value, collect=True)
                         return
             with self._lock:
                 if not self._closed:
@@ -172,15 +172,19 @@ class ContextPlugin(WorkerPlugin):
                 self.device = _device_of(value)
         return value
 
-    def _release(self, value: Any) -> None:
+    def _release(self, value: Any, collect: bool = False) -> None:
+        # Per task (levels partial/agnostic) only the loader's own release runs: a full
+        # gc.collect() costs ~0.4 s in a process holding torch and transformers, more than
+        # building a small model, and would bias the comparison between levels.
         release = getattr(self.context.loader, "release", None)
         if release is not None:
             release(value)
         del value
-        gc.collect()
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        if collect:
+            gc.collect()
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
 
     # -- used by tasks ---------------------------------------------------------------------
     def wait_ready(self, timeout: float | None) -> None:

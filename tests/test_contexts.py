@@ -12,6 +12,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError, ContextNotFoundError, ContextTimeoutError
+from dask_pcm.sources import resolve_source, template_files
 
 # Loaders and tasks live at module level so that they pickle by reference.
 
@@ -72,13 +73,16 @@ def test_partial_copies_template_once_and_loads_per_task(cluster, tiny_model_dir
     client.gather(dask_pcm.map(client, _score, [f"p{i}" for i in range(12)], context="tiny"))
     rows = _rows(client, "tiny")
     assert sum(r.tasks for r in rows.values()) == 12
-    source_bytes = sum(p.stat().st_size for p in Path(tiny_model_dir).iterdir() if p.is_file())
+    files = template_files(resolve_source(tiny_model_dir))
+    source_bytes = sum(p.stat().st_size for p in files)
     locations = set()
     for r in rows.values():
         assert r.loads == r.tasks
         local = Path(r.location)
         assert local != Path(tiny_model_dir) and local.is_dir()
-        assert (local / "config.json").exists()
+        assert sorted(p.name for p in template_files(resolve_source(local))) == sorted(
+            p.name for p in files
+        )
         assert r.template_bytes == source_bytes
         locations.add(local)
     assert len(locations) == 2  # one worker-local copy each
@@ -300,3 +304,19 @@ def test_host_slots_bound_concurrency():
     for t in threads:
         t.join()
     assert peak[0] == 2
+
+
+def test_registering_the_same_context_again_keeps_it_resident(cluster):
+    _, client = cluster
+    RELEASED.clear()
+    ctx = dask_pcm.Context("rel", ReleasingLoader(), template="keep")
+    dask_pcm.register(client, ctx)
+    dask_pcm.register(client, ctx)  # e.g. a notebook cell run twice
+    assert RELEASED == []
+    assert list(dask_pcm.status(client)["loads"]) == [1, 1]
+    dask_pcm.register(client, ctx, reload=True)
+    assert RELEASED == ["keep", "keep"]  # the old copies were freed
+    changed = dask_pcm.Context("rel", ReleasingLoader(), template="other")
+    dask_pcm.register(client, changed)  # same name, other template: replaced
+    assert sorted(RELEASED) == ["keep"] * 4
+    assert set(dask_pcm.status(client)["location"]) == {"other"}

@@ -1,0 +1,377 @@
+"""Where model and template files come from, and how they are copied to a worker's disk.
+
+A *source* is what a user names as a model: ``None`` or ``"embedded"`` (the embedded
+SmolLM2), a local directory in Hugging Face layout, a single ``.gguf`` file, or a hub id such as
+``"HuggingFaceTB/SmolLM2-135M-Instruct"``. :func:`resolve_source` turns it into local files,
+:func:`template_files` lists the files that make up the template and :func:`stage_template`
+copies them once onto a worker's local disk (the ``partial`` context level).
+
+Only formats that cannot run code when loaded are accepted: pickle checkpoints (``*.bin``,
+``*.pt``, ``*.pth``) are refused everywhere, because loading one executes whatever it contains.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from dask_pcm import embedded, locks
+from dask_pcm.exceptions import ModelSourceError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+"""The source string that means the embedded default model (also what ``None`` means)."""
+
+SAFE_PATTERNS: tuple[str, ...] = (
+    "*.safetensors",
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.jinja",
+    "*.gguf",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab.*",
+)
+"""File name patterns a template may contain: none of them can execute code when loaded."""
+
+PICKLE_SUFFIXES: tuple[str, ...] = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+"""Suffixes of pickle-based checkpoints, refused even where a safe pattern would match them."""
+
+# Hub downloads leave out ``*.gguf``: repositories often ship many quantisations of one model
+# (gigabytes each) beside the safetensors weights the loader actually uses.
+_HUB_PATTERNS = [p for p in SAFE_PATTERNS if p != "*.gguf"]
+
+# An ``owner/name`` repository id as the hub allows it; anything else is treated as a path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+_MANIFEST = ".pcm-manifest.json"
+_PROBE_SECONDS = 3.0
+_TRUE = {"1", "on", "yes", "true"}
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """A source turned into local files.
+
+    Parameters
+    ----------
+    kind
+        ``"directory"`` (a local Hugging Face directory), ``"gguf"`` (one ``.gguf`` file) or
+        ``"hub"`` (a snapshot of a hub repository in the local hub cache).
+    path
+        The local directory, or the ``.gguf`` file.
+    origin
+        What the user gave, for messages and folder names.
+    """
+
+    kind: str
+    path: Path
+    origin: str
+
+
+@dataclass(frozen=True)
+class StagedTemplate:
+    """A template copied onto a worker's local disk by :func:`stage_template`.
+
+    Parameters
+    ----------
+    path
+        What to hand the loader: the local directory, or the local ``.gguf`` file.
+    nbytes
+        Total size of the template's files.
+    copied
+        ``False`` when a complete copy from an earlier call was reused.
+    """
+
+    path: Path
+    nbytes: int
+    copied: bool
+
+
+def resolve_source(source: str | os.PathLike[str] | None) -> ResolvedSource:
+    """Turn a model source into local files, or raise :class:`ModelSourceError`.
+
+    Parameters
+    ----------
+    source
+        ``None`` or ``"embedded"`` for the embedded SmolLM2-135M-Instruct (converted to
+        safetensors once per machine), a local directory with a ``config.json``, a ``.gguf``
+        file, or a hub id ``owner/name`` (taken from the local hub cache, else downloaded
+        unless ``HF_HUB_OFFLINE`` is set).
+
+    Returns
+    -------
+    ResolvedSource
+
+    Example
+    -------
+    >>> resolve_source("/models/my-llama")  # doctest: +SKIP
+    ResolvedSource(kind='directory', path=PosixPath('/models/my-llama'), origin='/models/my-llama')
+    """
+    if source is None or (isinstance(source, str) and source == EMBEDDED):
+        return ResolvedSource("directory", embedded.embedded_model_dir(), EMBEDDED)
+
+    origin = os.fspath(source)
+    path = Path(origin).expanduser()
+    if path.is_dir():
+        _check_directory(path)
+        return ResolvedSource("directory", path.resolve(), origin)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelSourceError(
+                f"model file '{path}' is not a supported format: give a .gguf file or a "
+                "directory with config.json and *.safetensors weights"
+            )
+        return ResolvedSource("gguf", path.resolve(), origin)
+    if isinstance(source, str) and _HUB_ID.match(source) and ".." not in source:
+        return ResolvedSource("hub", _hub_snapshot(source), origin)
+    raise ModelSourceError(
+        f"model path '{origin}' does not exist: give an existing directory with config.json, "
+        "a .gguf file, a hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct', or "
+        f"'{EMBEDDED}' for the embedded model"
+    )
+
+
+def template_files(resolved: ResolvedSource) -> list[Path]:
+    """The files that make up a template, sorted.
+
+    For a ``.gguf`` source that is the file itself; for a directory, its top-level files that
+    match :data:`SAFE_PATTERNS` (``*.gguf`` excluded: the loader reads the safetensors weights).
+    Hidden files are left out.
+
+    Example
+    -------
+    >>> [p.name for p in template_files(resolve_source("/models/my-llama"))]  # doctest: +SKIP
+    ['config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json']
+    """
+    if resolved.kind == "gguf":
+        return [resolved.path]
+    return sorted(
+        p
+        for p in resolved.path.iterdir()
+        if p.is_file() and _is_safe(p.name) and not p.name.lower().endswith(".gguf")
+    )
+
+
+def stage_template(
+    source: str | os.PathLike[str] | None, dest_root: str | os.PathLike[str]
+) -> StagedTemplate:
+    """Copy a source's template files once into a local folder under ``dest_root``.
+
+    Safe between processes and threads of one host: the copy happens under a host-wide lock
+    into a temporary folder that is renamed into place, with a manifest (file names and sizes)
+    written last. A later call that finds a complete copy matching the source reuses it.
+
+    Parameters
+    ----------
+    source
+        Anything :func:`resolve_source` accepts.
+    dest_root
+        The worker-local folder that holds template copies (created if missing).
+
+    Returns
+    -------
+    StagedTemplate
+
+    Example
+    -------
+    >>> staged = stage_template("/shared/models/my-llama", "/scratch/templates")  # doctest: +SKIP
+    >>> staged.path, staged.copied  # doctest: +SKIP
+    (PosixPath('/scratch/templates/my-llama-3f2a9c1e'), True)
+    """
+    resolved = resolve_source(source)
+    files = template_files(resolved)
+    sizes = {f.name: f.stat().st_size for f in files}
+    if len(sizes) != len(files):
+        raise ModelSourceError(f"model source '{resolved.path}' has two files of one name")
+    nbytes = sum(sizes.values())
+
+    root = Path(dest_root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = _folder_name(resolved)
+    dest = root / name
+
+    def result(copied: bool) -> StagedTemplate:
+        path = dest / resolved.path.name if resolved.kind == "gguf" else dest
+        return StagedTemplate(path, nbytes, copied)
+
+    with locks.file_lock(root / f"{name}.lock"):
+        if _complete(dest, sizes):
+            logger.debug("reusing staged template %s for %s", dest, resolved.origin)
+            return result(copied=False)
+        # We hold the lock, so temporary folders left here belong to processes that died.
+        for stale in root.glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            for f in files:
+                shutil.copyfile(f, tmp / f.name)
+            (tmp / _MANIFEST).write_text(json.dumps({"source": str(resolved.path), "files": sizes}))
+            if dest.exists():
+                # An incomplete or outdated copy: os.replace cannot replace a non-empty folder.
+                old = root / f".{name}.tmp-old-{uuid.uuid4().hex[:8]}"
+                os.replace(dest, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info(
+        "staged %d files (%d bytes) of %s into %s", len(files), nbytes, resolved.origin, dest
+    )
+    return result(copied=True)
+
+
+def _is_safe(name: str) -> bool:
+    lowered = name.lower()
+    if name.startswith(".") or lowered.endswith(PICKLE_SUFFIXES):
+        return False
+    return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in SAFE_PATTERNS)
+
+
+def _check_directory(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(
+            f"model directory '{path}' has no config.json: give a directory in Hugging Face "
+            "layout (config.json, *.safetensors, tokenizer files) or a .gguf file"
+        )
+    names = [p.name.lower() for p in path.iterdir() if p.is_file()]
+    has_safetensors = any(n.endswith(".safetensors") for n in names)
+    if not has_safetensors and any(n.endswith(PICKLE_SUFFIXES) for n in names):
+        raise ModelSourceError(
+            f"model directory '{path}' holds only pickle checkpoints (*.bin/*.pt/*.pth), which "
+            "can run arbitrary code when loaded and are refused: convert them once with "
+            "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, "
+            "safe_serialization=True)` and pass NEW_DIR"
+        )
+
+
+def _local_copy_hint(repo_id: str) -> str:
+    return (
+        f"download it on a machine with network access with `hf download {repo_id} "
+        "--local-dir DIR` and pass that directory as the model"
+    )
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = huggingface_hub.snapshot_download(
+            repo_id, local_files_only=True, allow_patterns=_HUB_PATTERNS
+        )
+    except LocalEntryNotFoundError:
+        folder = None
+    if folder is None:
+        if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+            raise ModelSourceError(
+                f"hub model '{repo_id}' is not in the local hub cache and HF_HUB_OFFLINE is set: "
+                + _local_copy_hint(repo_id)
+            )
+        # The hub client sets no overall timeout on its first request, so without network
+        # (a black-holed route, a proxy that never answers) it can wait for minutes: ask once
+        # with a bounded wait first.
+        problem = _hub_problem(f"{constants.ENDPOINT}/api/models/{repo_id}", _PROBE_SECONDS)
+        if problem is not None:
+            raise ModelSourceError(
+                f"hub model '{repo_id}' could not be reached ({problem}) and is not in the local "
+                "hub cache: " + _local_copy_hint(repo_id)
+            )
+        try:
+            folder = huggingface_hub.snapshot_download(
+                repo_id, allow_patterns=_HUB_PATTERNS, etag_timeout=_PROBE_SECONDS
+            )
+        except RepositoryNotFoundError as exc:
+            raise ModelSourceError(
+                f"hub model '{repo_id}' was not found on {constants.ENDPOINT} (a private or gated "
+                f"repository needs a token): {_local_copy_hint(repo_id)}"
+            ) from exc
+        except Exception as exc:
+            raise ModelSourceError(
+                f"hub model '{repo_id}' could not be downloaded ({type(exc).__name__}: {exc}): "
+                + _local_copy_hint(repo_id)
+            ) from exc
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(
+            f"hub model '{repo_id}' (snapshot '{path}') has no config.json: only repositories in "
+            "Hugging Face layout are downloaded; for a GGUF-only repository download the one "
+            ".gguf file you want and pass its path"
+        )
+    if not any(p.name.endswith(".safetensors") for p in path.iterdir()):
+        raise ModelSourceError(
+            f"hub model '{repo_id}' (snapshot '{path}') has no *.safetensors weights; pickle "
+            "checkpoints are never downloaded because loading them can run arbitrary code"
+        )
+    return path
+
+
+def _hub_problem(url: str, timeout: float) -> str | None:
+    """Why ``url`` gave no HTTP answer within ``timeout`` seconds in all, or None if it did.
+
+    Any HTTP status counts as an answer (a missing repository is reported by the download).
+    Proxies from the environment are used, as the hub client uses them. Name resolution cannot
+    be given a timeout, so the request runs in a daemon thread abandoned when time is up.
+    """
+    import urllib.error
+    import urllib.request
+
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout):
+                outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)
+        except urllib.error.URLError as exc:
+            outcome.append(f"{url}: {exc.reason}")
+        except Exception as exc:  # timeouts, resets, TLS errors
+            outcome.append(f"{url}: {type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=attempt, name="dask-pcm-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not outcome:
+        return f"no answer from {url} within {timeout:g} s"
+    proxy = urllib.request.getproxies().get(url.split(":", 1)[0])
+    return None if outcome[0] is None else outcome[0] + (f" through proxy {proxy}" if proxy else "")
+
+
+def _folder_name(resolved: ResolvedSource) -> str:
+    # Readable part from what the user typed, hash of the resolved path so that two sources
+    # with the same readable part (e.g. two folders called "model") never share a copy.
+    readable = Path(resolved.origin.rstrip("/\\")).name or resolved.origin
+    if resolved.origin == EMBEDDED or _HUB_ID.match(resolved.origin):
+        readable = resolved.origin
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", readable).strip("._-")[:60] or "model"
+    digest = hashlib.sha256(str(resolved.path).encode()).hexdigest()[:8]
+    return f"{safe}-{digest}"
+
+
+def _complete(dest: Path, sizes: dict[str, int]) -> bool:
+    try:
+        manifest = json.loads((dest / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    if manifest.get("files") != sizes:
+        return False
+    # The manifest is written last, but a file may have been removed since (scratch cleaners).
+    try:
+        return all((dest / n).stat().st_size == s for n, s in sizes.items())
+    except OSError:
+        return False

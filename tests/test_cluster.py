@@ -1,0 +1,42 @@
+"""Clusters that dask_pcm starts: worker processes without the nanny's malloc penalty."""
+
+from __future__ import annotations
+
+import os
+
+from distributed import Client, LocalCluster
+
+import dask_pcm
+
+
+def _env() -> tuple[str | None, str | None]:
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_local_cluster_workers_do_not_trim_malloc():
+    # A plain distributed cluster first: it shows the penalty exists, and its nanny leaks the
+    # variable into this process's environment, which dask_pcm's nanny must not pass on.
+    with LocalCluster(n_workers=1, dashboard_address=":0") as plain, Client(plain) as client:
+        assert set(client.run(_env).values()) == {("65536", "1")}
+    with dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as lc, Client(lc) as client:
+        assert list(client.run(_env).values()) == [(None, "1"), (None, "1")]
+        lc.scale(3)  # workers added later use the same nanny
+        client.wait_for_workers(3)
+        assert set(client.run(_env).values()) == {(None, "1")}
+
+
+def _tokens(prompt: str) -> list[int]:
+    lm = dask_pcm.get_context("tiny")
+    return lm.tokenizer(prompt)["input_ids"]
+
+
+def test_full_level_across_worker_processes(tiny_model_dir):
+    with dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as lc, Client(lc) as client:
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny"))
+        out = client.gather(
+            dask_pcm.map(client, _tokens, ["a b", "c d", "e f", "g h"], context="tiny")
+        )
+        assert all(isinstance(t, list) and t for t in out)
+        table = dask_pcm.status(client)
+        assert list(table["loads"]) == [1, 1]
+        assert table["tasks"].sum() == 4
