@@ -56,8 +56,8 @@ def register(
     level : {"full", "partial", "agnostic"}, optional
         Level for contexts that do not name one; default ``pcm.default-level``.
     timeout : float or str, optional
-        Give up waiting for the present workers after this long (``"10 minutes"``);
-        default: wait as long as loads run.
+        Give up waiting for the present workers after this long (``"10 minutes"``); a
+        worker still loading then counts as failed. Default ``pcm.worker.ready-timeout``.
     reload : bool
         Registering a context identical to one already registered (same name, loader,
         template and level) keeps the resident copies, so a notebook can call ``register``
@@ -96,7 +96,7 @@ def register(
         client.register_plugin(plugin, name=plugin.name)
         logger.info("Registered context %r at level %s", ctx.name, chosen)
 
-    wait_s = None if timeout is None else _seconds(timeout)
+    wait_s = config.ready_timeout() if timeout is None else _seconds(timeout)
     results = client.run(_wait_ready, names, wait_s, on_error="return")
     failures: dict[str, dict[str, str]] = {}
     for worker, per_context in results.items():

@@ -253,8 +253,8 @@ def _check_directory(path: Path) -> None:
         raise ModelSourceError(
             f"model directory '{path}' holds only pickle checkpoints (*.bin/*.pt/*.pth), which "
             "can run arbitrary code when loaded and are refused: convert them once with "
-            "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, "
-            "safe_serialization=True)` and pass NEW_DIR"
+            "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR)` (which writes "
+            "safetensors) and pass NEW_DIR"
         )
 
 

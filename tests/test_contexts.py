@@ -320,3 +320,13 @@ def test_registering_the_same_context_again_keeps_it_resident(cluster):
     dask_pcm.register(client, changed)  # same name, other template: replaced
     assert sorted(RELEASED) == ["keep"] * 4
     assert set(dask_pcm.status(client)["location"]) == {"other"}
+
+
+def test_register_gives_up_on_a_load_that_never_finishes(cluster):
+    _, client = cluster
+    start = time.perf_counter()
+    with pytest.raises(ContextLoadError, match="not ready on worker") as info:
+        dask_pcm.register(client, dask_pcm.Context("stuck", SlowLoader(2.0)), timeout=0.3)
+    assert time.perf_counter() - start < 10
+    assert len(info.value.failures) == 2
+    assert dask_pcm.registered_contexts(client) == []

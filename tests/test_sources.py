@@ -75,7 +75,7 @@ def test_pickle_only_directory_is_refused(tmp_path):
         resolve_source(tmp_path)
     message = str(info.value)
     assert str(tmp_path) in message
-    assert "safe_serialization=True" in message
+    assert "save_pretrained(NEW_DIR)" in message
 
 
 def test_directory_with_safetensors_and_pickle_is_accepted_without_the_pickle(
