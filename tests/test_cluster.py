@@ -1,9 +1,11 @@
-"""Clusters that dask_pcm starts: worker processes without the nanny's malloc penalty."""
+"""Clusters that dask_pcm starts: worker processes without the nanny's malloc penalty and
+with a coarser profiler, the process-wide config left as it was."""
 
 from __future__ import annotations
 
 import os
 
+import dask.config
 from distributed import Client, LocalCluster
 
 import dask_pcm
@@ -13,16 +15,23 @@ def _env() -> tuple[str | None, str | None]:
     return os.environ.get("MALLOC_TRIM_THRESHOLD_"), os.environ.get("OMP_NUM_THREADS")
 
 
+def _profile_interval() -> str:
+    return dask.config.get("distributed.worker.profile.interval")
+
+
 def test_local_cluster_workers_do_not_trim_malloc():
     # A plain distributed cluster first: it shows the penalty exists, and its nanny leaks the
     # variable into this process's environment, which dask_pcm's nanny must not pass on.
     with LocalCluster(n_workers=1, dashboard_address=":0") as plain, Client(plain) as client:
         assert set(client.run(_env).values()) == {("65536", "1")}
+        assert set(client.run(_profile_interval).values()) == {"10ms"}
     with dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as lc, Client(lc) as client:
         assert list(client.run(_env).values()) == [(None, "1"), (None, "1")]
+        assert set(client.run(_profile_interval).values()) == {"100ms"}
         lc.scale(3)  # workers added later use the same nanny
         client.wait_for_workers(3)
         assert set(client.run(_env).values()) == {(None, "1")}
+    assert dask.config.get("distributed.worker.profile.interval") == "10ms"
 
 
 def _tokens(prompt: str) -> list[int]:

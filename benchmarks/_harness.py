@@ -1,0 +1,347 @@
+"""Shared pieces of the dask_pcm benchmarks: options, claims, the scoring task, timing, output.
+
+Every benchmark script in this folder is run as ``python benchmarks/<name>.py`` from a source
+checkout and imports this module as ``_harness``. The work unit is the same everywhere: score a
+batch of FEVER claims with one forward pass of the language model (:func:`score_batch`), the
+code being identical at every context level because it reaches the model through
+:func:`dask_pcm.get_context`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+# Benchmarks run from a checkout, installed or not; worker processes inherit this sys.path.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import dask_pcm  # noqa: E402
+
+# transformers draws a "Loading weights" bar on every load, hundreds of lines at level agnostic;
+# set before any worker or process starts, so that all of them inherit it.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "fever" / "paper_dev.jsonl"
+CONTEXT = "llm"
+
+# FEVER labels and the one-token answers the model is asked for, in the same order: the
+# predicted index of a claim is the answer whose first token has the highest next-token logit.
+LABELS = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
+ANSWERS = ("True", "False", "Unknown")
+INSTRUCTION = (
+    "Is the following claim true, false, or is there not enough information to tell? "
+    "Answer with one word: True, False or Unknown.\nClaim: {claim}"
+)
+
+
+class Claim(NamedTuple):
+    text: str
+    label: str
+
+
+# Used when the FEVER file is absent (a checkout without ../shared): written for these
+# benchmarks, not taken from FEVER. Labels follow FEVER's three classes.
+_S, _R, _N = LABELS
+BUILTIN_CLAIMS: tuple[Claim, ...] = tuple(
+    Claim(text, label)
+    for text, label in [
+        ("Paris is the capital of France.", _S),
+        ("Water freezes at 0 degrees Celsius at sea level.", _S),
+        ("The Pacific is the largest ocean on Earth.", _S),
+        ("Mount Everest is the highest mountain above sea level.", _S),
+        ("The Moon orbits the Earth.", _S),
+        ("Spiders have eight legs.", _S),
+        ("Tokyo is in Japan.", _S),
+        ("The Sun is a star.", _S),
+        ("A week has seven days.", _S),
+        ("Penguins are birds.", _S),
+        ("The Nile flows into the Mediterranean Sea.", _S),
+        ("Oxygen is a chemical element.", _S),
+        ("Canada is north of the United States.", _S),
+        ("Leonardo da Vinci painted the Mona Lisa.", _S),
+        ("The human heart has four chambers.", _S),
+        ("Mars is a planet of the Solar System.", _S),
+        ("Light travels faster than sound.", _S),
+        ("Berlin is the capital of Germany.", _S),
+        ("Dolphins are mammals.", _S),
+        ("A triangle has three sides.", _S),
+        ("Ice is frozen water.", _S),
+        ("Shakespeare wrote Hamlet.", _S),
+        ("Madrid is the capital of Italy.", _R),
+        ("The Sun orbits the Earth.", _R),
+        ("Spiders have six legs.", _R),
+        ("Penguins live at the North Pole.", _R),
+        ("Water boils at 50 degrees Celsius at sea level.", _R),
+        ("The Atlantic is the largest ocean on Earth.", _R),
+        ("Australia is in Europe.", _R),
+        ("A year has ten months.", _R),
+        ("Whales are fish.", _R),
+        ("Gold is a gas at room temperature.", _R),
+        ("The Eiffel Tower is in London.", _R),
+        ("Humans have three lungs.", _R),
+        ("Jupiter is the smallest planet of the Solar System.", _R),
+        ("Sound travels faster than light.", _R),
+        ("A square has five sides.", _R),
+        ("Charles Dickens wrote Hamlet.", _R),
+        ("The Amazon River is in Africa.", _R),
+        ("Snow is usually black.", _R),
+        ("Cats are reptiles.", _R),
+        ("Rome is the capital of Spain.", _R),
+        ("Anna Keller owns a red bicycle.", _N),
+        ("The baker in Lyon sold forty loaves last Tuesday.", _N),
+        ("Tom Ridley's favourite colour is green.", _N),
+        ("The village choir of Elmsworth has twelve members.", _N),
+        ("A small cafe in Porto opened in 1987.", _N),
+        ("Maria Santos learned to swim at the age of six.", _N),
+        ("The local football club of Hallby won a trophy in 1962.", _N),
+        ("Peter Brandt has visited Norway three times.", _N),
+        ("The author of an unpublished novel lives in Leeds.", _N),
+        ("A painter named Ivo Kral prefers oil paints.", _N),
+        ("The neighbour's dog is called Rex.", _N),
+        ("Laura Finch drinks tea every morning.", _N),
+        ("The corner shop on Elm Street sells umbrellas.", _N),
+        ("Jonas Weber once met a famous actor.", _N),
+        ("The school band of Millbrook plays jazz.", _N),
+        ("Sara Lind keeps a diary in French.", _N),
+        ("A fisherman from Bergen caught a large cod in May.", _N),
+        ("The garden of a house in Kent has an apple tree.", _N),
+        ("Mark Olsen is a vegetarian.", _N),
+        ("The town library of Dunmore closes at six.", _N),
+        ("An amateur astronomer in Ohio discovered a comet.", _N),
+        ("Elena Rossi speaks four languages.", _N),
+    ]
+)
+
+
+# -- options -------------------------------------------------------------------------------
+def parser(description: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark takes; a script adds its own to the returned parser."""
+    p = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="a small run (smoke test, CI)")
+    p.add_argument("--json", metavar="PATH", type=Path, help="also write the results as JSON")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        type=Path,
+        help=f"FEVER JSON lines (default: {DEFAULT_DATA} if present, else built-in claims)",
+    )
+    return p
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The model the benchmark loads; converts the embedded one on first use (~20 s, once)."""
+    return str(args.model) if args.model else str(dask_pcm.embedded_model_dir())
+
+
+# -- claims and scoring ----------------------------------------------------------------------
+def load_claims(path: Path | None, n: int) -> list[Claim]:
+    """The first ``n`` claims of a FEVER JSON-lines file (only ``claim`` and ``label`` are read).
+
+    Without ``path``, reads :data:`DEFAULT_DATA` when it exists, else cycles through
+    :data:`BUILTIN_CLAIMS`.
+    """
+    if path is None and not DEFAULT_DATA.is_file():
+        return [BUILTIN_CLAIMS[i % len(BUILTIN_CLAIMS)] for i in range(n)]
+    path = path or DEFAULT_DATA
+    claims: list[Claim] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(claims) == n:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                claim = Claim(str(record["claim"]), str(record["label"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a FEVER record ({exc!r})") from None
+            if claim.label not in LABELS:
+                raise ValueError(f"{path}:{lineno}: unknown label {claim.label!r}")
+            claims.append(claim)
+    if len(claims) < n:
+        raise ValueError(f"{path} holds {len(claims)} claims, {n} needed")
+    return claims
+
+
+def batches(items: Sequence[Any], size: int) -> list[list[Any]]:
+    """``items`` cut into consecutive lists of ``size`` (the last may be shorter)."""
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def answer_token_ids(tokenizer: Any) -> list[int]:
+    """First token id of each of :data:`ANSWERS`; they must differ."""
+    ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in ANSWERS]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"answers {ANSWERS} share a first token in this tokenizer: {ids}")
+    return ids
+
+
+def score(lm: Any, claims: Sequence[str]) -> list[int]:
+    """Predicted label index (into :data:`LABELS`) of each claim: one forward pass.
+
+    The prompt goes through the chat template here, on the worker, because the template
+    belongs to the tokenizer that lives in the context.
+    """
+    prompts = [lm.chat_prompt(INSTRUCTION.format(claim=c)) for c in claims]
+    logits = lm.next_token_logits(prompts)
+    return logits[:, answer_token_ids(lm.tokenizer)].argmax(-1).tolist()
+
+
+def score_batch(claims: Sequence[str], context: str = CONTEXT) -> list[int]:
+    """The benchmark task: score ``claims`` with the context's model, whatever its level."""
+    return score(dask_pcm.get_context(context), claims)
+
+
+def accuracy(predictions: Sequence[int], claims: Sequence[Claim]) -> float:
+    hits = sum(LABELS[p] == c.label for p, c in zip(predictions, claims, strict=True))
+    return hits / len(claims)
+
+
+# -- the ideal baseline: bare processes, no Dask ----------------------------------------------
+@contextmanager
+def _worker_environ() -> Iterator[None]:
+    """The environment a dask_pcm worker process starts with: the nanny's pre-spawn
+    variables (one OpenMP/MKL/OpenBLAS thread) minus ``MALLOC_TRIM_THRESHOLD_``."""
+    import dask.config
+
+    env = {k: str(v) for k, v in dask.config.get("distributed.nanny.pre-spawn-environ").items()}
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    saved = dict(os.environ)
+    os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)  # glibc reads it at start: must not inherit
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _ideal_process(model: str, work: list[tuple[int, list[str]]], barrier: Any, out: Any) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        lm = dask_pcm.CausalLM()(model)
+        load_seconds = time.perf_counter() - start
+        barrier.wait()
+        cpu = time.process_time()
+        predictions = {i: score(lm, claims) for i, claims in work}
+        out.put((load_seconds, time.process_time() - cpu, predictions))
+    except BaseException as exc:
+        barrier.abort()
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def ideal(model: str, work: Sequence[list[str]], processes: int) -> dict[str, Any]:
+    """Score ``work`` (batches of claim texts) in ``processes`` bare spawned processes.
+
+    Each process loads the model once with :class:`dask_pcm.CausalLM` and scores its share of
+    the batches (round robin) back to back. They start scoring together, once all have loaded.
+
+    Returns a dict with ``predictions`` (per batch, in order), ``load_seconds`` (the model
+    loads, summed over processes; the first load in a process includes lazy imports),
+    ``startup_seconds`` (from the start to all models loaded: process start-up, imports, loads),
+    ``wall_seconds`` (from all loaded to all done) and ``cpu_seconds`` (CPU time the processes
+    used while scoring, summed).
+    """
+    mp = multiprocessing.get_context("spawn")
+    barrier = mp.Barrier(processes + 1)
+    out = mp.Queue()
+    indexed = list(enumerate(work))
+    procs = [
+        mp.Process(target=_ideal_process, args=(model, indexed[k::processes], barrier, out))
+        for k in range(processes)
+    ]
+    start = time.perf_counter()
+    with _worker_environ():
+        for p in procs:
+            p.start()
+    try:
+        barrier.wait(timeout=600)
+        loaded = time.perf_counter()
+        parts = [out.get(timeout=3600) for _ in procs]
+        done = time.perf_counter()
+    except threading.BrokenBarrierError:  # a process failed to load, or the load timed out
+        parts = [out.get(timeout=10)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = [part for part in parts if isinstance(part, str)]
+    if errors:
+        raise RuntimeError(f"an ideal process failed: {errors[0]}")
+    results = {i: preds for _, _, part in parts for i, preds in part.items()}
+    return {
+        "predictions": [results[i] for i in range(len(work))],
+        "load_seconds": sum(load for load, _, _ in parts),
+        "startup_seconds": loaded - start,
+        "wall_seconds": done - loaded,
+        "cpu_seconds": sum(cpu for _, cpu, _ in parts),
+    }
+
+
+# -- timing and output ---------------------------------------------------------------------
+class Timer:
+    """``with Timer() as t: ...`` then ``t.seconds`` (wall clock, ``time.perf_counter``)."""
+
+    seconds: float = float("nan")
+
+    def __enter__(self) -> Timer:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+Column = tuple[str, str, str]  # (key, header, format spec)
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
+    """Print ``rows`` as a fixed-width table; numbers right-aligned, text left-aligned."""
+    cells = [[format(row[key], spec) for key, _, spec in columns] for row in rows]
+    widths = [
+        max([len(header)] + [len(r[j]) for r in cells]) for j, (_, header, _) in enumerate(columns)
+    ]
+    numeric = [all(isinstance(row[key], int | float) for row in rows) for key, _, _ in columns]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
+
+    print(line([header for _, header, _ in columns]))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print(line(r))
+
+
+def write_json(path: Path | None, rows: Sequence[dict[str, Any]]) -> None:
+    """Write ``rows`` (a list of flat dicts) to ``path`` as JSON, if a path was given."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(rows), indent=2) + "\n")
+    print(f"results written to {path}")
