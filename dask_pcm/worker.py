@@ -15,6 +15,7 @@ Readiness and failures are explicit state on the plugin, read by ``dask_pcm.regi
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import sys
@@ -100,14 +101,16 @@ class ContextPlugin(WorkerPlugin):
         )
         self._thread.start()
 
-    def teardown(self, worker: Worker) -> None:
+    async def teardown(self, worker: Worker) -> None:
         with self._lock:
             self._closed = True
             value, self._value = self._value, None
             self.state = CLOSED
         self._event.set()
         if value is not None:
-            self._release(value, collect=True)
+            # Freeing a model (and collecting its cycles) takes a fraction of a second: keep
+            # it off the event loop like the load.
+            await asyncio.to_thread(self._release, value, True)
             logger.info("Released context %r on %s", self.context.name, self.worker_address)
 
     # -- building --------------------------------------------------------------------------
