@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Any
 
 import click
 
@@ -83,6 +84,89 @@ def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
         cols = ["worker", "context", "state", "level", "loads", "load_seconds", "tasks", "device"]
         click.echo("\n" + table[cols].to_string(index=False))
     click.echo(f"\n{len(questions)} tasks in {time.perf_counter() - start:.1f} s")
+
+
+@main.command()
+@click.option(
+    "--data", type=click.Path(dir_okay=False), help="FEVER JSON lines (default: a small demo set)."
+)
+@click.option(
+    "--model",
+    default=None,
+    help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--templates",
+    default=None,
+    help="Built-in template names 'a,b' or a template file (default: all built-ins).",
+)
+@click.option("--num-templates", type=int, default=None, help="Keep the first N templates.")
+@click.option(
+    "--level", type=click.Choice(["full", "partial", "agnostic"]), default="full", show_default=True
+)
+@click.option("--batch-size", type=int, default=16, show_default=True, help="Claims per task.")
+@click.option("--limit", type=int, default=None, help="Score a stratified sample of N claims.")
+@click.option(
+    "--method", type=click.Choice(["logits", "generate"]), default="logits", show_default=True
+)
+@click.option(
+    "--output",
+    type=click.Path(),
+    default=None,
+    help="Folder of Parquet predictions; rerunning resumes.",
+)
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write summary and report as JSON.",
+)
+@click.option(
+    "--errors",
+    type=click.Choice(["raise", "skip"]),
+    default="raise",
+    show_default=True,
+    help="Malformed FEVER lines.",
+)
+@click.option(
+    "--workers", type=int, default=None, help="Local worker processes (default: one per core)."
+)
+def fever(json_path: str | None, **options: Any) -> None:
+    """Rank prompt templates for an LLM as a FEVER fact checker.
+
+    Prints one row per template, best first: accuracy, number of claims, macro-F1 and the
+    recall of each label.
+    """
+    import json
+
+    from dask_pcm.fever.run import run_fever
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_fever(**options)
+    except (PCMError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    with pd_options():
+        click.echo(result.summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    report = result.report
+    units = report["units"]
+    click.echo(
+        f"\n{report['claims']} claims x {result.summary.shape[0]} templates; "
+        f"{units['computed']} units computed, {units['reused']} reused; "
+        f"{report['wall_seconds']:.1f} s"
+    )
+    if json_path:
+        payload = {"summary": result.summary.to_dict("records"), "report": report}
+        with open(json_path, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+        click.echo(f"summary and report written to {json_path}")
+
+
+def pd_options() -> Any:
+    import pandas as pd
+
+    return pd.option_context("display.width", 200, "display.max_columns", 20)
 
 
 if __name__ == "__main__":  # pragma: no cover

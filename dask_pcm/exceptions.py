@@ -38,3 +38,11 @@ class ContextNotFoundError(PCMError, KeyError):
 
 class ContextTimeoutError(PCMError, TimeoutError):
     """A context did not become ready on a worker within the configured time."""
+
+
+class FeverFormatError(PCMError, ValueError):
+    """Malformed FEVER input: claims or templates that cannot be read.
+
+    The message names the file and, where there is one, the 1-based line or template number,
+    as in ``paper_dev.jsonl:3: unknown label 'MAYBE'``.
+    """

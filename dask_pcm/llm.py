@@ -113,6 +113,32 @@ class LanguageModel:
         new_tokens = out[0, enc["input_ids"].shape[1] :]
         return str(self.tokenizer.decode(new_tokens, skip_special_tokens=True))
 
+    def generate(self, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
+        """Greedy continuations of a batch of prompts (left-padded): only the new text.
+
+        Example
+        -------
+        >>> lm.generate(["The capital of France is", "Two plus two is"], 3)  # doctest: +SKIP
+        [' Paris.', ' four.']
+        """
+        import torch
+
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a sequence of prompts; wrap one in a list")
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        with torch.inference_mode():
+            enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
+            out = self.model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new_tokens = out[:, enc["input_ids"].shape[1] :]
+        return [str(t) for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
     def chat_prompt(self, message: str) -> str:
         """``message`` as a user turn in the tokenizer's chat template, ready for the answer.
 

@@ -1,0 +1,370 @@
+"""``run_fever``: which prompt template makes a language model the best fact checker?
+
+The work is a grid of *units*, one per (template, batch of claims). Each unit is one task that
+uses the resident model context (:func:`dask_pcm.get_context`) and returns one prediction row
+per claim. With ``output=`` every finished unit is written at once as its own Parquet file in
+the output folder (written to a hidden temporary name, then renamed), so a run that is killed
+keeps what it finished, a rerun computes only the missing units, and no row is written twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dask_pcm
+from dask_pcm.fever.data import (
+    LABELS,
+    Claim,
+    ClaimSet,
+    demo_claims,
+    load_claims,
+    sample_claims,
+)
+from dask_pcm.fever.scoring import UNPARSEABLE, check_method, score_generate, score_logits
+from dask_pcm.fever.templates import PromptTemplate, get_templates
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from distributed import Client
+
+logger = logging.getLogger(__name__)
+
+CONTEXT = "fever-llm"
+_MANIFEST = "_dask_pcm_run.json"
+
+
+@dataclass
+class FeverResult:
+    """What :func:`run_fever` returns.
+
+    Attributes
+    ----------
+    summary
+        One row per template, best first: ``template, accuracy, n, macro_f1``, the recall of
+        each label (``recall_SUPPORTS``...) and ``unparseable``.
+    predictions
+        One row per claim and template: ``claim_id, template, label, predicted`` and the
+        scores (``score_<LABEL>`` for method logits, ``generated`` for generate).
+    report
+        ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``workers``
+        (per worker: context loads, load seconds and the context tasks it ran in this run).
+    """
+
+    summary: pd.DataFrame
+    predictions: pd.DataFrame
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Unit:
+    template: PromptTemplate
+    index: int
+    claims: tuple[Claim, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.template.name}--{self.index:05d}"
+
+
+def score_unit(
+    template: PromptTemplate, claims: Sequence[Claim], method: str, context: str = CONTEXT
+) -> list[dict[str, Any]]:
+    """The task: score ``claims`` under ``template`` with the worker's resident model."""
+    lm = dask_pcm.get_context(context)
+    prompts = [template.render(c.claim, lm.tokenizer) for c in claims]
+    if method == "logits":
+        scored = score_logits(lm, prompts, template.answers)
+    else:
+        scored = score_generate(lm, prompts, template.answers)
+    return [
+        {"claim_id": c.id, "template": template.name, "label": c.label, **row}
+        for c, row in zip(claims, scored, strict=True)
+    ]
+
+
+def run_fever(
+    data: str | os.PathLike[str] | None = None,
+    model: str | os.PathLike[str] | None = None,
+    templates: Any = None,
+    cluster: Any = None,
+    level: str = "full",
+    batch_size: int = 16,
+    limit: int | None = None,
+    method: str = "logits",
+    output: str | os.PathLike[str] | None = None,
+    errors: str = "raise",
+    num_templates: int | None = None,
+    workers: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> FeverResult:
+    """Score FEVER claims under several prompt templates and rank the templates.
+
+    Parameters
+    ----------
+    data : path, optional
+        FEVER JSON lines (``id``, ``label``, ``claim``). Default: a small demo set.
+    model : str or path, optional
+        Hugging Face directory, ``.gguf`` file or hub id; default the embedded
+        SmolLM2-135M-Instruct.
+    templates : optional
+        Built-in names (list or ``"a,b"``), template strings with ``{claim}``, a template
+        file, or ``PromptTemplate`` objects; default all built-ins.
+    cluster : optional
+        ``None``: a local cluster sized to the machine, closed at the end. A
+        ``distributed.Client`` or a cluster object: used as it is, and the model context
+        stays registered afterwards so that the next run reuses the resident model
+        (``dask_pcm.unregister(client, "fever-llm")`` frees it).
+    level : {"full", "partial", "agnostic"}
+    batch_size : int
+        Claims per task.
+    limit : int, optional
+        Score a stratified sample of this many claims (seeded by ``seed``).
+    method : {"logits", "generate"}
+    output : path, optional
+        Folder of Parquet files, one per finished unit; rerunning with the same folder
+        resumes. It must not hold a run with other parameters.
+    errors : {"raise", "skip"}
+        What to do with malformed lines of ``data``.
+    num_templates : int, optional
+        Keep the first N templates.
+    workers : int, optional
+        Worker processes of the local cluster (``cluster=None`` only).
+    progress : bool
+        Show a progress bar over units.
+
+    Returns
+    -------
+    FeverResult
+
+    Examples
+    --------
+    >>> result = dask_pcm.run_fever(limit=30, num_templates=3)   # doctest: +SKIP
+    >>> result.summary[["template", "accuracy", "n"]]            # doctest: +SKIP
+    """
+    check_method(method)
+    dask_pcm.config.check_level(level)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if errors not in ("raise", "skip"):
+        raise ValueError(f"errors must be 'raise' or 'skip', not {errors!r}")
+    claims = demo_claims() if data is None else load_claims(data, errors=errors)  # type: ignore[arg-type]
+    if limit is not None:
+        claims = sample_claims(claims, limit, seed=seed)
+    chosen = get_templates(templates, num_templates)
+    units = [
+        _Unit(t, i, tuple(claims.claims[start : start + batch_size]))
+        for t in chosen
+        for i, start in enumerate(range(0, len(claims), batch_size))
+    ]
+    store = (
+        _Store(Path(output), _run_params(claims, chosen, model, method, batch_size))
+        if output
+        else None
+    )
+    done = store.done() if store else set()
+    todo = [u for u in units if u.name not in done]
+
+    start = time.perf_counter()
+    client, owned = _client(cluster, workers)
+    try:
+        dask_pcm.register(client, dask_pcm.causal_lm(model, name=CONTEXT), level=level)
+        before = _tasks_by_worker(client)
+        rows = _compute(client, todo, method, store, progress)
+        after = dask_pcm.status(client, [CONTEXT])
+    finally:
+        if owned:
+            cluster_obj = client.cluster
+            client.close()
+            if cluster_obj is not None:
+                cluster_obj.close()
+    if store:
+        rows = store.read([u.name for u in units])
+    import pandas as pd
+
+    predictions = pd.DataFrame(rows)
+    report = {
+        "wall_seconds": time.perf_counter() - start,
+        "units": {"total": len(units), "computed": len(todo), "reused": len(units) - len(todo)},
+        "claims": len(claims),
+        "skipped_lines": claims.skipped,
+        "workers": [
+            {
+                "worker": r.worker,
+                "context": r.context,
+                "loads": int(r.loads),
+                "load_seconds": float(r.load_seconds),
+                "tasks": int(r.tasks) - before.get(r.worker, 0),
+            }
+            for r in after.itertuples()
+        ],
+    }
+    return FeverResult(summarize(predictions), predictions, report)
+
+
+def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
+    """One row per template, best first: accuracy, n, macro-F1, recall per label, unparseable."""
+    import pandas as pd
+
+    out = []
+    for name, group in predictions.groupby("template", sort=False):
+        row: dict[str, Any] = {"template": name, "n": len(group)}
+        correct = group["predicted"] == group["label"]
+        row["accuracy"] = float(correct.mean())
+        f1s = []
+        for label in LABELS:
+            gold = group["label"] == label
+            pred = group["predicted"] == label
+            tp = int((gold & pred).sum())
+            recall = tp / int(gold.sum()) if gold.any() else float("nan")
+            precision = tp / int(pred.sum()) if pred.any() else 0.0
+            row[f"recall_{label}"] = recall
+            if gold.any():
+                f1s.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
+        row["macro_f1"] = sum(f1s) / len(f1s) if f1s else float("nan")
+        row["unparseable"] = int((group["predicted"] == UNPARSEABLE).sum())
+        out.append(row)
+    columns = ["template", "accuracy", "n", "macro_f1"]
+    columns += [f"recall_{label}" for label in LABELS] + ["unparseable"]
+    frame = pd.DataFrame(out, columns=columns)
+    return frame.sort_values(["accuracy", "macro_f1"], ascending=False, ignore_index=True)
+
+
+def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
+    from distributed import Client
+
+    if cluster is None:
+        return Client(dask_pcm.local_cluster(n_workers=workers)), True
+    if isinstance(cluster, Client):
+        return cluster, False
+    if isinstance(cluster, str):
+        raise ValueError(
+            f"cluster={cluster!r}: batch-system clusters are not available yet; start one with "
+            "dask-jobqueue and pass it (or its Client)"
+        )
+    if hasattr(cluster, "scheduler_address"):
+        return Client(cluster), False
+    raise TypeError(f"cluster must be None, a distributed.Client or a cluster, got {cluster!r}")
+
+
+def _tasks_by_worker(client: Client) -> dict[str, int]:
+    table = dask_pcm.status(client, [CONTEXT])
+    return {r.worker: int(r.tasks) for r in table.itertuples()}
+
+
+def _compute(
+    client: Client, todo: list[_Unit], method: str, store: _Store | None, progress: bool
+) -> list[dict[str, Any]]:
+    from distributed import as_completed
+
+    futures = {
+        dask_pcm.submit(
+            client,
+            score_unit,
+            u.template,
+            list(u.claims),
+            method,
+            context=CONTEXT,
+            key=f"fever-{u.name}-{os.urandom(4).hex()}",
+            priority=-i,
+            pure=False,
+        ): u
+        for i, u in enumerate(todo)
+    }
+    bar = _progress_bar(len(todo), progress)
+    rows: list[dict[str, Any]] = []
+    try:
+        for future, result in as_completed(futures, with_results=True):
+            unit = futures[future]
+            if store:
+                store.write(unit.name, result)
+            else:
+                rows.extend(result)
+            bar.update(1)
+    except BaseException:
+        client.cancel(list(futures))
+        raise
+    finally:
+        bar.close()
+    return rows
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled or total == 0:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="units", unit="unit")
+
+
+def _run_params(
+    claims: ClaimSet, templates: list[PromptTemplate], model: Any, method: str, batch_size: int
+) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    for c in claims.claims:
+        digest.update(f"{c.id}\t{c.label}\t{c.claim}\n".encode())
+    return {
+        "model": "embedded" if model is None else os.fspath(model),
+        "method": method,
+        "batch_size": batch_size,
+        "claims": digest.hexdigest(),
+        "templates": {t.name: hashlib.sha256(repr(t).encode()).hexdigest() for t in templates},
+    }
+
+
+class _Store:
+    """A folder of Parquet files, one per finished unit, plus the run's parameters."""
+
+    def __init__(self, root: Path, params: dict[str, Any]) -> None:
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"output {root} is a file; give a folder name (e.g. preds.parquet)")
+        root.mkdir(parents=True, exist_ok=True)
+        manifest = root / _MANIFEST
+        if manifest.exists():
+            old = json.loads(manifest.read_text())
+            same = {k: v for k, v in params.items() if k != "templates"}
+            if {k: old.get(k) for k in same} != same:
+                raise ValueError(
+                    f"output {root} holds a run with other parameters ({old}); "
+                    "use another output folder or delete this one"
+                )
+            changed = [n for n, h in params["templates"].items() if old["templates"].get(n, h) != h]
+            if changed:
+                raise ValueError(f"output {root}: templates {changed} changed since it was written")
+            params = {**params, "templates": {**old["templates"], **params["templates"]}}
+        tmp = root / f".{_MANIFEST}.tmp"
+        tmp.write_text(json.dumps(params, indent=1))
+        os.replace(tmp, manifest)
+        self.root = root
+
+    def done(self) -> set[str]:
+        return {p.stem for p in self.root.glob("*.parquet")}
+
+    def write(self, name: str, rows: list[dict[str, Any]]) -> None:
+        import pandas as pd
+
+        tmp = self.root / f".{name}.{os.getpid()}.tmp"
+        pd.DataFrame(rows).to_parquet(tmp, index=False)
+        os.replace(tmp, self.root / f"{name}.parquet")
+
+    def read(self, names: list[str]) -> list[dict[str, Any]]:
+        import pandas as pd
+
+        frames = [pd.read_parquet(self.root / f"{n}.parquet") for n in names]
+        return pd.concat(frames, ignore_index=True).to_dict("records") if frames else []

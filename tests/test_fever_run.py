@@ -1,0 +1,97 @@
+"""run_fever end to end on an in-process cluster with the tiny model: results, resume, reuse."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import Client, LocalCluster
+
+import dask_pcm
+from dask_pcm.fever import LABELS
+from dask_pcm.fever.run import CONTEXT, run_fever
+
+
+@pytest.fixture
+def client():
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as c,
+    ):
+        yield c
+
+
+def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_dir):
+    result = run_fever(
+        model=tiny_model_dir, cluster=client, num_templates=3, batch_size=8, progress=False
+    )
+    pred = result.predictions
+    assert len(pred) == 30 * 3
+    assert not pred.duplicated(["claim_id", "template"]).any()
+    assert set(pred["predicted"]) <= set(LABELS)
+    summary = result.summary
+    assert list(summary.columns[:4]) == ["template", "accuracy", "n", "macro_f1"]
+    assert list(summary["n"]) == [30, 30, 30]
+    assert list(summary["accuracy"]) == sorted(summary["accuracy"], reverse=True)
+    for row in summary.itertuples():
+        group = pred[pred["template"] == row.template]
+        assert row.accuracy == pytest.approx((group["predicted"] == group["label"]).mean())
+    report = result.report
+    assert report["units"] == {"total": 12, "computed": 12, "reused": 0}
+    assert sum(w["tasks"] for w in report["workers"]) == 12
+    assert all(w["loads"] == 1 for w in report["workers"])
+    # The context stays on a cluster the user passed in: a second run does not reload it.
+    again = run_fever(model=tiny_model_dir, cluster=client, num_templates=1, progress=False)
+    assert all(w["loads"] == 1 for w in again.report["workers"])
+    assert dask_pcm.registered_contexts(client) == [CONTEXT]
+
+
+def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
+    out = tmp_path / "preds.parquet"
+    first = run_fever(
+        model=tiny_model_dir,
+        cluster=client,
+        num_templates=2,
+        batch_size=8,
+        output=out,
+        progress=False,
+    )
+    parts = sorted(out.glob("*.parquet"))
+    assert len(parts) == 8
+    for p in parts[:3]:  # as if the run had been killed before these units finished
+        p.unlink()
+    second = run_fever(
+        model=tiny_model_dir,
+        cluster=client,
+        num_templates=2,
+        batch_size=8,
+        output=out,
+        progress=False,
+    )
+    assert second.report["units"] == {"total": 8, "computed": 3, "reused": 5}
+    assert sum(w["tasks"] for w in second.report["workers"]) == 3
+    assert len(second.predictions) == 60
+    assert not second.predictions.duplicated(["claim_id", "template"]).any()
+    key = ["template", "claim_id"]
+    assert first.predictions.sort_values(key, ignore_index=True).equals(
+        second.predictions.sort_values(key, ignore_index=True)
+    )
+    with pytest.raises(ValueError, match="other parameters"):
+        run_fever(model=tiny_model_dir, cluster=client, batch_size=4, output=out, progress=False)
+
+
+def test_generate_method_and_bad_arguments(client, tiny_model_dir):
+    result = run_fever(
+        model=tiny_model_dir,
+        cluster=client,
+        num_templates=1,
+        method="generate",
+        limit=6,
+        progress=False,
+    )
+    assert len(result.predictions) == 6
+    assert "generated" in result.predictions.columns
+    with pytest.raises(ValueError, match="unknown scoring method"):
+        run_fever(cluster=client, method="vote")
+    with pytest.raises(ValueError, match="batch-system"):
+        run_fever(model=tiny_model_dir, cluster="sge", num_templates=1)
