@@ -27,9 +27,11 @@ from dask_pcm.exceptions import (
     ContextLoadError,
     ContextNotFoundError,
     ContextTimeoutError,
+    FeverFormatError,
     ModelSourceError,
     PCMError,
 )
+from dask_pcm.fever.run import FeverResult, run_fever
 from dask_pcm.llm import CausalLM, LanguageModel
 from dask_pcm.tasks import ContextTask, get_context, uses_context
 
@@ -45,6 +47,8 @@ __all__ = [
     "ContextNotFoundError",
     "ContextTask",
     "ContextTimeoutError",
+    "FeverFormatError",
+    "FeverResult",
     "LanguageModel",
     "ModelSourceError",
     "Nanny",
@@ -58,6 +62,7 @@ __all__ = [
     "map",
     "register",
     "registered_contexts",
+    "run_fever",
     "status",
     "submit",
     "unregister",
