@@ -264,7 +264,7 @@ def test_to_frame():
 
 @pytest.mark.skipif(
     not FEVER_DEV.exists(),
-    reason="the FEVER dev set lives outside the repository (../shared); CI machines have it",
+    reason="the FEVER dev set is not beside this checkout (../shared/data/fever/paper_dev.jsonl); the package must not bundle it",
 )
 def test_real_fever_dev_set():
     claims = load_claims(FEVER_DEV)
