@@ -1,7 +1,8 @@
 """Claims per second of ``run_fever`` at level full for several batch sizes (RQ2 in small).
 
 One local cluster (2 workers x 1 thread by default) and one resident model for all batch sizes:
-``run_fever`` reuses the registered context, so each row times only the scoring. The same
+``run_fever`` reuses the registered context, so each row times only the scoring. An untimed
+warm-up run comes first: a worker's first forward passes are seconds slower than later ones. The same
 claims (a label-stratified sample of the FEVER dev set when it is beside the repository, else
 the demo set) under one template at every batch size.
 
@@ -41,6 +42,12 @@ def main() -> None:
         dask_pcm.local_cluster(n_workers=args.workers, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
+        # Untimed warm-up: a worker's first forward passes cost seconds more than later ones
+        # (lazy initialisation in torch and transformers), which would land on the first size.
+        dask_pcm.run_fever(
+            data=data, model=args.model, templates=args.template, cluster=client,
+            limit=4 * args.workers, batch_size=1, progress=False,
+        )  # fmt: skip
         for size in sizes:
             with h.Timer() as wall:
                 result = dask_pcm.run_fever(
