@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from distributed import Client, LocalCluster
 
 from dask_pcm.embedded import build_tiny_llama
+
+
+@pytest.fixture
+def inproc_cluster() -> Iterator[tuple[LocalCluster, Client]]:
+    """A 2-worker, 1-thread-each LocalCluster in this process, and its client."""
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield cluster, client
 
 
 @pytest.fixture(scope="session")

@@ -24,14 +24,8 @@ def _score(prompt: str) -> tuple[str, int]:
 
 
 @pytest.fixture
-def cluster():
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        yield cluster, client
+def cluster(inproc_cluster):
+    return inproc_cluster
 
 
 def _rows(client: Client, name: str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from distributed import Client, LocalCluster
 
 import dask_pcm
 from dask_pcm.fever import LABELS
@@ -11,14 +10,8 @@ from dask_pcm.fever.run import CONTEXT, run_fever
 
 
 @pytest.fixture
-def client():
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as lc,
-        Client(lc) as c,
-    ):
-        yield c
+def client(inproc_cluster):
+    return inproc_cluster[1]
 
 
 def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_dir):
