@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dask_pcm import config
 from dask_pcm.context import Context
 from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.scheduler import STATUS_COLUMNS, ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
 
@@ -18,21 +19,6 @@ if TYPE_CHECKING:
     from distributed import Client, Future, Worker
 
 logger = logging.getLogger(__name__)
-
-STATUS_COLUMNS = [
-    "worker",
-    "context",
-    "state",
-    "level",
-    "loads",
-    "load_seconds",
-    "tasks",
-    "device",
-    "template",
-    "location",
-    "template_bytes",
-    "error",
-]
 
 
 def register(
@@ -88,11 +74,15 @@ def register(
     for ctx in contexts:
         if not isinstance(ctx, Context):
             raise TypeError(f"register() takes Context objects, got {ctx!r}")
+    # The scheduler plugin first: worker plugins report to it from their first moment.
+    client.register_plugin(ContextScheduler())
+    for ctx in contexts:
         chosen = config.check_level(ctx.level or level or config.default_level())
         plugin = ContextPlugin(ctx, chosen)
         if not reload and _already_registered(client, plugin):
             logger.info("Context %r already registered; reusing it", ctx.name)
             continue
+        client.run_on_scheduler(_declare, ctx.name, chosen)
         client.register_plugin(plugin, name=plugin.name)
         logger.info("Registered context %r at level %s", ctx.name, chosen)
 
@@ -118,7 +108,25 @@ def register(
             lines.extend(f"  {w}: {msg}" for w, msg in sorted(by_worker.items()))
         merged = {w: m for by_worker in failures.values() for w, m in by_worker.items()}
         raise ContextLoadError("\n".join(lines), merged)
+    # The workers' "ready" reports travel on their own streams: let them land.
+    client.run_on_scheduler(_settled, names, list(results), 5.0)
     return status(client, names)
+
+
+def _declare(name: str, level: str, dask_scheduler: Any = None) -> None:
+    get_plugin(dask_scheduler).declare(name, level)
+
+
+async def _settled(
+    names: list[str], workers: list[str], timeout: float, dask_scheduler: Any = None
+) -> None:
+    plugin = get_plugin(dask_scheduler)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        rows = plugin.rows(names)
+        if all(r["state"] in ("ready", "failed") for r in rows if r["worker"] in workers):
+            return
+        await asyncio.sleep(0.02)
 
 
 async def _wait_ready(
@@ -174,6 +182,11 @@ def unregister(client: Client, *names: str) -> None:
         )
     for name in names:
         client.unregister_worker_plugin(plugin_name(name))
+        client.run_on_scheduler(_forget, name)
+
+
+def _forget(name: str, dask_scheduler: Any = None) -> None:
+    get_plugin(dask_scheduler).forget(name)
 
 
 def registered_contexts(client: Client) -> list[str]:
@@ -185,16 +198,22 @@ def registered_contexts(client: Client) -> list[str]:
     return sorted(n[len(PLUGIN_PREFIX) :] for n in client.run_on_scheduler(names))
 
 
-def _rows(dask_worker: Worker) -> list[dict[str, Any]]:
-    return [p.info() for p in context_plugins(dask_worker).values()]
+def _status_rows(contexts: list[str] | None, dask_scheduler: Any = None) -> list[dict[str, Any]]:
+    plugin = dask_scheduler.plugins.get(ContextScheduler.name)
+    return [] if plugin is None else plugin.rows(contexts)
 
 
 def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFrame:
-    """One row per worker and context: state, level, loads, load seconds, tasks served.
+    """One row per worker and context, as the scheduler plugin tracks them.
 
-    Columns: ``worker, context, state, level, loads, load_seconds, tasks, device,
-    template, location, template_bytes, error``. ``state`` is ``fetching`` (copying the
-    template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``closed``.
+    Columns: ``worker, context, state, level, state_seconds, loads, load_seconds,
+    last_load_seconds, tasks, task_errors, evictions, nbytes, device, template, location,
+    template_bytes, error``. ``state`` is ``absent`` (no report yet), ``fetching`` (copying
+    the template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``evicted``
+    (freed under ``pcm.worker.context-memory-limit``; rebuilt on demand);
+    ``state_seconds`` is the time spent in it so far. ``tasks`` counts the context tasks
+    that finished on that worker, ``task_errors`` those that raised. The same rows are
+    served as JSON at ``/pcm/status.json`` on the dashboard's port.
 
     Examples
     --------
@@ -202,23 +221,26 @@ def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFram
     """
     import pandas as pd
 
-    rows = []
-    for worker, result in client.run(_rows, on_error="return").items():
-        if isinstance(result, BaseException):
-            logger.warning("No context status from worker %s: %r", worker, result)
-            continue
-        rows.extend(result)
-    frame = pd.DataFrame(rows, columns=STATUS_COLUMNS)
-    if contexts is not None:
-        frame = frame[frame["context"].isin(list(contexts))]
-    return frame.sort_values(["context", "worker"], ignore_index=True)
+    wanted = None if contexts is None else list(contexts)
+    rows = client.run_on_scheduler(_status_rows, wanted)
+    return pd.DataFrame(rows, columns=STATUS_COLUMNS)
 
 
-def submit(client: Client, fn: Any, *args: Any, context: str | list[str], **kwargs: Any) -> Future:
+def submit(
+    client: Client,
+    fn: Any,
+    *args: Any,
+    context: str | list[str],
+    allow_other_workers: bool = False,
+    **kwargs: Any,
+) -> Future:
     """``client.submit`` for a function that uses ``context`` through ``get_context``.
 
-    Keyword arguments are those of :meth:`distributed.Client.submit` (``key``, ``pure``,
-    ``retries``, ``priority``...); the rest go to ``fn``, exactly as with ``Client.submit``.
+    The task runs only on a worker where ``context`` is ready (see
+    :mod:`dask_pcm.scheduler`); with ``allow_other_workers=True`` it may run on any worker
+    when none is, and that worker waits for or rebuilds the context. Other keyword arguments
+    are those of :meth:`distributed.Client.submit` (``key``, ``pure``, ``retries``,
+    ``priority``...); the rest go to ``fn``, exactly as with ``Client.submit``.
 
     Examples
     --------
@@ -226,17 +248,24 @@ def submit(client: Client, fn: Any, *args: Any, context: str | list[str], **kwar
     ...     return dask_pcm.get_context("smollm2").complete(prompt)
     >>> fut = dask_pcm.submit(client, answer, "Hello", context="smollm2")  # doctest: +SKIP
     """
-    return client.submit(ContextTask(fn, context), *args, **kwargs)
+    return client.submit(ContextTask(fn, context, allow_other_workers), *args, **kwargs)
 
 
 def map(  # mirrors Client.map, hence the name
-    client: Client, fn: Any, *iterables: Collection[Any], context: str | list[str], **kwargs: Any
+    client: Client,
+    fn: Any,
+    *iterables: Collection[Any],
+    context: str | list[str],
+    allow_other_workers: bool = False,
+    **kwargs: Any,
 ) -> list[Future]:
     """``client.map`` for a function that uses ``context`` through ``get_context``.
+
+    Placement as in :func:`submit`.
 
     Examples
     --------
     >>> futs = dask_pcm.map(client, answer, prompts, context="smollm2")  # doctest: +SKIP
     >>> client.gather(futs)                                             # doctest: +SKIP
     """
-    return client.map(ContextTask(fn, context), *iterables, **kwargs)
+    return client.map(ContextTask(fn, context, allow_other_workers), *iterables, **kwargs)

@@ -60,3 +60,11 @@ def ready_timeout() -> float | None:
     if value is None:
         return None
     return float(dask.utils.parse_timedelta(value, default="s"))
+
+
+def context_memory_limit() -> int | None:
+    """Bytes the resident contexts of one worker may hold (``pcm.worker.context-memory-limit``)."""
+    value = get("worker.context-memory-limit")
+    if value is None:
+        return None
+    return int(dask.utils.parse_bytes(value))

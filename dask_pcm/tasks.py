@@ -99,23 +99,35 @@ class ContextTask:
     """A callable that runs ``fn`` with contexts ``names`` acquired on the worker.
 
     Built by :func:`uses_context`, :func:`dask_pcm.submit` and :func:`dask_pcm.map`; it
-    pickles as the wrapped function plus the names.
+    pickles as the wrapped function plus the names. The scheduler plugin recognises tasks
+    whose function is a ``ContextTask`` and restricts them to workers where every one of
+    ``names`` is ready; with ``allow_other_workers=True`` they may run on any worker when
+    none is ready (that worker then waits for, or rebuilds, the context).
     """
 
-    __slots__ = ("__name__", "fn", "names")
+    __slots__ = ("__name__", "allow_other_workers", "fn", "names")
     fn: Callable[..., Any]
     names: tuple[str, ...]
+    allow_other_workers: bool
 
-    def __init__(self, fn: Callable[..., Any], names: str | Sequence[str]) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        names: str | Sequence[str],
+        allow_other_workers: bool = False,
+    ) -> None:
         if not callable(fn):
             raise TypeError(f"expected a callable, got {fn!r}")
-        self.fn = fn.fn if isinstance(fn, ContextTask) else fn
         names = (names,) if isinstance(names, str) else tuple(names)
         if isinstance(fn, ContextTask):
             names = tuple(dict.fromkeys(fn.names + names))
+            allow_other_workers = allow_other_workers or fn.allow_other_workers
+            fn = fn.fn
         if not names:
             raise ValueError("a context task needs at least one context name")
+        self.fn = fn
         self.names = names
+        self.allow_other_workers = bool(allow_other_workers)
         # Keys and the dashboard use the function's name, not "ContextTask".
         self.__name__ = funcname(self.fn)
 
@@ -124,22 +136,26 @@ class ContextTask:
             return self.fn(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ContextTask, (self.fn, self.names))
+        return (ContextTask, (self.fn, self.names, self.allow_other_workers))
 
     def __dask_tokenize__(self) -> Any:
         from dask.base import tokenize
 
-        return ("dask_pcm.ContextTask", tokenize(self.fn), self.names)
+        return ("dask_pcm.ContextTask", tokenize(self.fn), self.names, self.allow_other_workers)
 
     def __repr__(self) -> str:
-        return f"ContextTask({self.__name__}, contexts={list(self.names)})"
+        extra = ", allow_other_workers=True" if self.allow_other_workers else ""
+        return f"ContextTask({self.__name__}, contexts={list(self.names)}{extra})"
 
 
-def uses_context(*names: str) -> Callable[[Callable[..., Any]], ContextTask]:
+def uses_context(
+    *names: str, allow_other_workers: bool = False
+) -> Callable[[Callable[..., Any]], ContextTask]:
     """Decorator: the function's tasks run with contexts ``names`` acquired.
 
     The decorated function can be given to ``client.submit``, ``client.map`` or
-    ``dask.delayed`` as it is.
+    ``dask.delayed`` as it is; its tasks run only on workers where ``names`` are ready
+    (see :class:`ContextTask` for ``allow_other_workers``).
 
     Examples
     --------
@@ -151,6 +167,6 @@ def uses_context(*names: str) -> Callable[[Callable[..., Any]], ContextTask]:
     """
 
     def wrap(fn: Callable[..., Any]) -> ContextTask:
-        return ContextTask(fn, names)
+        return ContextTask(fn, names, allow_other_workers)
 
     return wrap

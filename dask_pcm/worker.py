@@ -7,20 +7,32 @@ context wait for it instead (see :mod:`dask_pcm.tasks`). The load itself runs in
 thread, never on the event loop, inside a host-wide slot so that at most
 ``pcm.worker.load-concurrency`` loads run at once per host.
 
-Readiness and failures are explicit state on the plugin, read by ``dask_pcm.register``
-(which raises for the workers present) and ``dask_pcm.status``. A failure in
-``WorkerPlugin.setup`` of a joining worker would otherwise only be logged
-(distributed#6906).
+Every change of state is reported to the scheduler plugin
+(:class:`dask_pcm.scheduler.ContextScheduler`) as a full snapshot over the worker's batched
+stream, the same ordered channel that carries "task finished" messages: the scheduler never
+sees a task finish before the load that preceded it. A snapshot taken while the worker is
+not yet connected (a joining worker whose context loads fast) is resent once it is. A
+failure in ``WorkerPlugin.setup`` of a joining worker would otherwise only be logged
+(distributed#6906); here it becomes state ``failed`` with the loader's message.
+
+Memory budget: several contexts at level ``full`` may share a worker within
+``pcm.worker.context-memory-limit``. Before a load, and again once the real size is known,
+the least recently used *idle* contexts (no task holding them) are evicted; an evicted
+context is rebuilt on demand by the next task that needs it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
+import os
+import platform
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +50,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PLUGIN_PREFIX = "dask-pcm-context-"
+STATE_OP = "pcm-context-state"  # stream handler installed by the scheduler plugin
 
 # States a context goes through on one worker.
-LOADING = "loading"
 FETCHING = "fetching"
+LOADING = "loading"
 READY = "ready"
 FAILED = "failed"
+EVICTED = "evicted"
 CLOSED = "closed"
+
+_RESEND_SECONDS = 0.5
 
 
 def plugin_name(context_name: str) -> str:
@@ -56,14 +72,29 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# One lock per worker serialises eviction decisions between its context plugins.
+_budget_locks: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_budget_locks_guard = threading.Lock()
+
+
+def _budget_lock(worker: Any) -> threading.Lock:
+    with _budget_locks_guard:
+        lock = _budget_locks.get(worker)
+        if lock is None:
+            lock = _budget_locks[worker] = threading.Lock()
+        return lock
+
+
 class ContextPlugin(WorkerPlugin):
     """Materialise one :class:`~dask_pcm.Context` on every worker, present or joining.
 
-    Do not register it yourself: :func:`dask_pcm.register` builds one per context and
-    registers it with ``Client.register_plugin``, then waits for the present workers.
+    Do not register it yourself: :func:`dask_pcm.register` installs the scheduler plugin
+    first, builds one of these per context and registers it with
+    ``Client.register_plugin``, then waits for the present workers.
 
     At level ``full`` the context is built once and kept until the plugin is removed
-    (``dask_pcm.unregister``) or the worker closes. At ``partial`` the template files are
+    (``dask_pcm.unregister``), the worker closes, or it is evicted under the memory budget
+    (then rebuilt by the next task that needs it). At ``partial`` the template files are
     copied to worker-local disk once and every task builds the context from that copy. At
     ``agnostic`` every task builds it from the source.
     """
@@ -78,6 +109,7 @@ class ContextPlugin(WorkerPlugin):
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self, worker: Worker) -> None:
+        self._worker = worker
         self.worker_address = worker.address
         self._lock = threading.Lock()
         self._event = threading.Event()
@@ -87,33 +119,91 @@ class ContextPlugin(WorkerPlugin):
         self.location: str = self.context.template or ""
         self.loads = 0
         self.load_seconds = 0.0
+        self.last_load_seconds = 0.0
+        self.evictions = 0
         self.tasks = 0
+        self.active = 0
+        self.last_used = time.monotonic()
+        self.nbytes = 0
         self.template_bytes = 0
         self.device: str | None = None
         self._value: Any = None
+        self._version = 0
+        self._sent_version = -1
+        self._send_scheduled = False
         self._template_dir = config.get("worker.template-directory") or str(
             Path(worker.local_directory) / "pcm-templates"
         )
-        self._thread = threading.Thread(
-            target=self._materialise,
-            name=f"dask-pcm-load-{self.context.name}",
-            daemon=True,
-        )
-        self._thread.start()
+        self._notify()
+        self._start_load()
 
     async def teardown(self, worker: Worker) -> None:
         with self._lock:
             self._closed = True
             value, self._value = self._value, None
             self.state = CLOSED
+            self._version += 1
         self._event.set()
+        self._send_snapshot()
         if value is not None:
             # Freeing a model (and collecting its cycles) takes a fraction of a second: keep
             # it off the event loop like the load.
             await asyncio.to_thread(self._release, value, True)
             logger.info("Released context %r on %s", self.context.name, self.worker_address)
 
+    # -- reporting to the scheduler --------------------------------------------------------
+    def _notify(self) -> None:
+        """Schedule a snapshot for the scheduler (from any thread)."""
+        with self._lock:
+            self._version += 1
+            if self._send_scheduled:
+                return
+            self._send_scheduled = True
+        # A closed loop means the worker is going away: nothing to report to.
+        with contextlib.suppress(RuntimeError):
+            self._worker.loop.add_callback(self._send_snapshot)
+
+    def _send_snapshot(self) -> None:
+        """Send the latest state over the batched stream; retry until connected."""
+        with self._lock:
+            self._send_scheduled = False
+            if self._sent_version == self._version:
+                return
+            version = self._version
+        stream = getattr(self._worker, "batched_stream", None)
+        comm = getattr(stream, "comm", None)
+        if stream is None or comm is None or comm.closed():
+            if self._worker.status.name in ("closing", "closed", "failed"):
+                return
+            with self._lock:
+                if self._send_scheduled:
+                    return
+                self._send_scheduled = True
+            self._worker.loop.call_later(_RESEND_SECONDS, self._send_snapshot)
+            return
+        stream.send({"op": STATE_OP, "seq": time.monotonic_ns(), **self.info()})
+        with self._lock:
+            self._sent_version = max(self._sent_version, version)
+
+    def _set_state(self, state: str, error: str | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.state = state
+            if error is not None:
+                self.error = error
+        self._notify()
+
     # -- building --------------------------------------------------------------------------
+    def _start_load(self) -> None:
+        self._event.clear()
+        thread = threading.Thread(
+            target=self._materialise,
+            name=f"dask-pcm-load-{self.context.name}",
+            daemon=True,
+        )
+        thread.start()
+
     def _materialise(self) -> None:
         concurrency = int(config.get("worker.load-concurrency", 1))
         try:
@@ -123,27 +213,32 @@ class ContextPlugin(WorkerPlugin):
                 if self.level == "partial":
                     self._stage()
                 elif self.level == "full":
+                    self._make_room(self.nbytes)
                     value = self._build(self.location)
+                    nbytes = _size_of(value)
                     with self._lock:
                         if not self._closed:
                             self._value, value = value, None
+                            self.nbytes = nbytes
+                            self.last_used = time.monotonic()
                     if value is not None:  # torn down while loading
                         self._release(value, collect=True)
                         return
             with self._lock:
                 if not self._closed:
                     self.state = READY
+                    self.error = None
+            self._notify()
             logger.info(
                 "Context %r ready on %s (level %s)",
                 self.context.name,
                 self.worker_address,
                 self.level,
             )
+            if self.level == "full":
+                self._make_room(0)
         except BaseException as exc:
-            with self._lock:
-                self.error = _describe(exc)
-                if not self._closed:
-                    self.state = FAILED
+            self._set_state(FAILED, _describe(exc))
             logger.error(
                 "Context %r failed on %s: %s", self.context.name, self.worker_address, self.error
             )
@@ -171,8 +266,10 @@ class ContextPlugin(WorkerPlugin):
         with self._lock:
             self.loads += 1
             self.load_seconds += elapsed
+            self.last_load_seconds = elapsed
             if self.device is None:
-                self.device = _device_of(value)
+                self.device = describe_device(value)
+        self._notify()
         return value
 
     def _release(self, value: Any, collect: bool = False) -> None:
@@ -189,15 +286,77 @@ class ContextPlugin(WorkerPlugin):
             if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
 
+    # -- memory budget ---------------------------------------------------------------------
+    def _make_room(self, incoming: int) -> None:
+        """Evict least recently used idle contexts until ``incoming`` more bytes fit."""
+        limit = config.context_memory_limit()
+        if limit is None:
+            return
+        with _budget_lock(self._worker):
+            plugins = [p for p in context_plugins(self._worker).values() if p.level == "full"]
+            used = sum(p.nbytes for p in plugins if p.state == READY) + incoming
+            if used <= limit:
+                return
+            idle = sorted(
+                (p for p in plugins if p is not self and p.state == READY and p.active == 0),
+                key=lambda p: p.last_used,
+            )
+            for victim in idle:
+                if used <= limit:
+                    break
+                freed = victim._evict()
+                used -= freed
+        if used > limit:
+            logger.warning(
+                "Contexts on %s use %d bytes, over pcm.worker.context-memory-limit (%d): "
+                "the others are in use",
+                self.worker_address,
+                used,
+                limit,
+            )
+
+    def _evict(self) -> int:
+        """Drop the resident object if no task holds it; return the bytes freed."""
+        with self._lock:
+            if self.state != READY or self.active or self._value is None:
+                return 0
+            value, self._value = self._value, None
+            self.state = EVICTED
+            self.evictions += 1
+            freed = self.nbytes
+        self._event.clear()
+        self._notify()
+        self._release(value, collect=True)
+        logger.info(
+            "Evicted context %r on %s (%d bytes, least recently used)",
+            self.context.name,
+            self.worker_address,
+            freed,
+        )
+        return freed
+
     # -- used by tasks ---------------------------------------------------------------------
     def wait_ready(self, timeout: float | None) -> None:
-        """Block until the context is ready here; raise if it failed, closed or timed out."""
+        """Block until the context is ready here; raise if it failed, closed or timed out.
+
+        An evicted context is rebuilt first.
+        """
+        with self._lock:
+            rebuild = self.state == EVICTED and not self._closed
+            if rebuild:
+                self.state = LOADING
+        if rebuild:
+            logger.info(
+                "Rebuilding evicted context %r on %s", self.context.name, self.worker_address
+            )
+            self._notify()
+            self._start_load()
         if not self._event.wait(timeout):
             raise ContextTimeoutError(
                 f"context {self.context.name!r} not ready on worker {self.worker_address} "
                 f"after {timeout:g} s (pcm.worker.ready-timeout); it is still {self.state}"
             )
-        if self.state == READY:
+        if self.state in (READY, EVICTED):
             return
         if self.state == FAILED:
             raise ContextLoadError(
@@ -211,16 +370,23 @@ class ContextPlugin(WorkerPlugin):
 
     def acquire(self, timeout: float | None) -> tuple[Any, bool]:
         """The object for one task and whether the task owns it (must release it)."""
-        if not self._event.is_set() or self.state != READY:
-            self.wait_ready(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.state == READY:
+                    self.active += 1
+                    self.last_used = time.monotonic()
+                    value = self._value
+                    break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.wait_ready(left)
         if self.level == "full":
-            value = self._value
-            if value is None:  # unregistered between the check and here
-                self.wait_ready(0)
             return value, False
         try:
             return self._build(self.location), True
         except BaseException as exc:
+            with self._lock:
+                self.active -= 1
             raise ContextLoadError(
                 f"context {self.context.name!r} failed to load on worker "
                 f"{self.worker_address} from {self.location!r}: {_describe(exc)}",
@@ -231,11 +397,13 @@ class ContextPlugin(WorkerPlugin):
         """Count a served task and drop a per-task object."""
         with self._lock:
             self.tasks += 1
+            self.active -= 1
+            self.last_used = time.monotonic()
         if owned:
             self._release(value)
 
     def info(self) -> dict[str, Any]:
-        """One status row for this worker and context."""
+        """One status row for this worker and context, as the worker sees it."""
         with self._lock:
             return {
                 "worker": self.worker_address,
@@ -244,7 +412,10 @@ class ContextPlugin(WorkerPlugin):
                 "level": self.level,
                 "loads": self.loads,
                 "load_seconds": round(self.load_seconds, 6),
+                "last_load_seconds": round(self.last_load_seconds, 6),
+                "evictions": self.evictions,
                 "tasks": self.tasks,
+                "nbytes": self.nbytes,
                 "device": self.device,
                 "template": self.context.template,
                 "location": self.location,
@@ -253,9 +424,40 @@ class ContextPlugin(WorkerPlugin):
             }
 
 
-def _device_of(value: Any) -> str | None:
+def _size_of(value: Any) -> int:
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return nbytes
+    from dask.sizeof import sizeof
+
+    return int(sizeof(value))
+
+
+def describe_device(value: Any) -> str | None:
+    """Where a context lives, for status: ``cpu (8 threads, <CPU model>)`` or the GPU."""
     device = getattr(value, "device", None)
-    return None if device is None else str(device)
+    if device is None:
+        return None
+    text = str(device)
+    torch = sys.modules.get("torch")
+    if text.startswith("cuda") and torch is not None and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(text))
+        return f"{text} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
+    if text == "cpu":
+        threads = torch.get_num_threads() if torch is not None else os.cpu_count()
+        return f"cpu ({threads} threads, {_cpu_model()})"
+    return text
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def context_plugins(worker: Worker) -> dict[str, ContextPlugin]:

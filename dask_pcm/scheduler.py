@@ -1,0 +1,414 @@
+"""The scheduler side: where each context is ready, and context tasks sent only there.
+
+:class:`ContextScheduler` is a :class:`distributed.SchedulerPlugin` that
+:func:`dask_pcm.register` installs before any context. It keeps, per worker and context,
+a state machine driven by the snapshots the worker plugins send over their batched
+streams::
+
+    absent -> fetching -> loading -> ready
+                  \\           \\-> failed
+                   \\-> failed     ready -> evicted -> loading -> ready
+
+(``absent``: the worker is connected but has not reported yet.) Every entry keeps the
+time it entered its state and a short history, so status shows durations.
+
+Placement: restrictions, not resources
+--------------------------------------
+Tasks whose function is a :class:`~dask_pcm.tasks.ContextTask` get worker restrictions in
+``update_graph``, before the scheduler places them. All tasks that need the same set of
+contexts share *one* restriction set object, which this plugin updates in place when a
+worker's state changes: one set operation per state change, however many tasks wait.
+Worker resources were the alternative; they were not chosen because a resource also caps
+how many tasks run at once, a task that requires a resource no worker has can never fall
+back (``allow_other_workers`` only loosens worker and host restrictions), and a worker
+that lost a resource (eviction) would keep tasks it can no longer run. Work stealing
+honours worker restrictions (``WorkStealing._get_thief``), so a stolen task only moves to
+another worker in the set. A task submitted with explicit ``workers=`` keeps them.
+
+The set holds the workers where every needed context is ``ready``; when there are none,
+those where it was ``evicted`` (they rebuild it on demand); else nobody, and the tasks wait
+in ``no-worker`` until a worker becomes ready. When every connected worker has *failed* to
+build a context, its waiting tasks err at once with the loaders' messages
+(:class:`~dask_pcm.ContextLoadError`) instead of waiting forever. Tasks with
+``allow_other_workers=True`` have loose restrictions: with no worker in the set, the
+scheduler may place them anywhere, and that worker waits for (or rebuilds) the context.
+
+Tasks served are counted here, from the scheduler's own transitions (a context task that
+finished on a worker, or erred there), so status costs nothing per task on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from distributed import SchedulerPlugin
+
+from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.tasks import ContextTask
+from dask_pcm.worker import EVICTED, FAILED, READY, STATE_OP
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "dask-pcm"
+ABSENT = "absent"
+_HISTORY = 16
+# A restriction set is never empty (empty means "unrestricted" to the scheduler): this
+# address, which no worker has, keeps it restricting when no worker qualifies.
+_NOBODY = "dask-pcm://no-worker-with-context"
+
+# Columns of a status row, in order (dask_pcm.status and /pcm/status.json).
+STATUS_COLUMNS = [
+    "worker",
+    "context",
+    "state",
+    "level",
+    "state_seconds",
+    "loads",
+    "load_seconds",
+    "last_load_seconds",
+    "tasks",
+    "task_errors",
+    "evictions",
+    "nbytes",
+    "device",
+    "template",
+    "location",
+    "template_bytes",
+    "error",
+]
+
+
+@dataclass
+class Placement:
+    """One context on one worker, as the scheduler knows it."""
+
+    worker: str
+    context: str
+    level: str
+    state: str = ABSENT
+    since: float = field(default_factory=time.time)
+    history: list[tuple[str, float]] = field(default_factory=list)
+    seq: int = -1
+    loads: int = 0
+    load_seconds: float = 0.0
+    last_load_seconds: float = 0.0
+    evictions: int = 0
+    nbytes: int = 0
+    device: str | None = None
+    template: str | None = None
+    location: str | None = None
+    template_bytes: int = 0
+    error: str | None = None
+    tasks: int = 0
+    task_errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.history.append((self.state, self.since))
+
+    def move(self, state: str, now: float) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        self.since = now
+        self.history.append((state, now))
+        del self.history[:-_HISTORY]
+
+    def row(self, now: float) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "context": self.context,
+            "state": self.state,
+            "level": self.level,
+            "state_seconds": round(now - self.since, 3),
+            "loads": self.loads,
+            "load_seconds": round(self.load_seconds, 6),
+            "last_load_seconds": round(self.last_load_seconds, 6),
+            "tasks": self.tasks,
+            "task_errors": self.task_errors,
+            "evictions": self.evictions,
+            "nbytes": self.nbytes,
+            "device": self.device,
+            "template": self.template,
+            "location": self.location,
+            "template_bytes": self.template_bytes,
+            "error": self.error,
+        }
+
+
+class ContextScheduler(SchedulerPlugin):
+    """Track contexts per worker and steer context tasks to workers where they are ready.
+
+    Installed by :func:`dask_pcm.register`; one per scheduler. See the module docstring for
+    the state machine and the placement rules.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.levels: dict[str, str] = {}
+        self.placements: dict[str, dict[str, Placement]] = {}
+        # Shared restriction set per combination of contexts a task needs.
+        self._allowed: dict[tuple[str, ...], set[str]] = {}
+        self._needs: dict[Any, tuple[str, ...]] = {}
+        # Load durations observed (for the Prometheus histogram), per context.
+        self.load_durations: dict[str, list[float]] = {}
+        self.scheduler: Scheduler | None = None
+
+    # -- plugin hooks ----------------------------------------------------------------------
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.stream_handlers[STATE_OP] = self._on_state
+        from dask_pcm import dashboard
+
+        dashboard.install(self)
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stream_handlers.pop(STATE_OP, None)
+        from dask_pcm import dashboard
+
+        dashboard.uninstall(self)
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        for name, level in self.levels.items():
+            self.placements[name].setdefault(worker, Placement(worker, name, level))
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        changed = [name for name, by in self.placements.items() if by.pop(worker, None)]
+        if changed:
+            self._refresh(changed, stimulus_id=f"pcm-remove-worker-{time.time()}")
+
+    def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
+        hopeless: set[str] = set()
+        for key in tasks:
+            ts = scheduler.tasks.get(key)
+            func = getattr(getattr(ts, "run_spec", None), "func", None)
+            if ts is None or not isinstance(func, ContextTask):
+                continue
+            names = func.names
+            self._needs[key] = names
+            if ts.worker_restrictions or ts.host_restrictions:
+                continue  # the user chose workers explicitly
+            ts.worker_restrictions = self._allowed_for(names)
+            ts.loose_restrictions = func.allow_other_workers
+            hopeless.update(n for n in names if self._eligible(n)[1] == FAILED)
+        if hopeless:
+            # The new tasks reach "no-worker" only after this hook returns.
+            asyncio.get_running_loop().call_soon(
+                self._fail_waiting, hopeless, f"pcm-context-failed-{time.time()}"
+            )
+
+    def transition(
+        self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        names = self._needs.get(key)
+        if names is None:
+            return
+        if start == "processing" and finish in ("memory", "erred"):
+            worker = kwargs.get("worker")
+            for name in names:
+                placement = self.placements.get(name, {}).get(worker)  # type: ignore[arg-type]
+                if placement is not None:
+                    if finish == "memory":
+                        placement.tasks += 1
+                    else:
+                        placement.task_errors += 1
+        elif finish == "forgotten":
+            del self._needs[key]
+
+    # -- declarations (from dask_pcm.register / unregister) ---------------------------------
+    def declare(self, name: str, level: str) -> None:
+        """A context was registered: expect a report from every worker."""
+        assert self.scheduler is not None
+        self.levels[name] = level
+        by_worker = self.placements.setdefault(name, {})
+        for worker in self.scheduler.workers:
+            current = by_worker.get(worker)
+            if current is None or current.level != level:
+                by_worker[worker] = Placement(worker, name, level)
+        self._refresh([name], stimulus_id=f"pcm-declare-{time.time()}")
+
+    def forget(self, name: str) -> None:
+        """A context was unregistered: its waiting tasks err, its state goes."""
+        self.levels.pop(name, None)
+        self.placements.pop(name, None)
+        self.load_durations.pop(name, None)
+        exc = ContextNotFoundError(f"context {name!r} was unregistered while tasks waited for it")
+        self._err_unrunnable(lambda names: name in names, exc, f"pcm-forget-{time.time()}")
+
+    # -- state reports from workers ---------------------------------------------------------
+    def _on_state(self, worker: str, context: str, state: str, seq: int, **info: Any) -> None:
+        assert self.scheduler is not None
+        by_worker = self.placements.get(context)
+        if by_worker is None or worker not in self.scheduler.workers:
+            return  # unregistered meanwhile, or a late message from a removed worker
+        placement = by_worker.get(worker)
+        if placement is None:
+            placement = by_worker[worker] = Placement(worker, context, info.get("level", ""))
+        if seq <= placement.seq:
+            return
+        placement.seq = seq
+        loads_before = placement.loads
+        for attr in (
+            "loads",
+            "load_seconds",
+            "last_load_seconds",
+            "evictions",
+            "nbytes",
+            "device",
+            "template",
+            "location",
+            "template_bytes",
+            "error",
+        ):
+            if attr in info:
+                setattr(placement, attr, info[attr])
+        if placement.loads > loads_before and placement.level == "full":
+            self.load_durations.setdefault(context, []).append(placement.last_load_seconds)
+        previous = placement.state
+        placement.move(state, time.time())
+        if previous != placement.state:
+            self._refresh([context], stimulus_id=f"pcm-{state}-{time.time()}")
+
+    # -- placement -------------------------------------------------------------------------
+    def _eligible(self, name: str) -> tuple[set[str], str]:
+        """Workers that may run tasks needing ``name`` now, and why.
+
+        The reason is ``ready``, ``evicted`` (rebuilt on demand), ``wait`` (loading, or no
+        report yet, or no workers) or ``failed`` (failed on every connected worker).
+        """
+        by_worker = self.placements.get(name, {})
+        ready = {w for w, p in by_worker.items() if p.state == READY}
+        if ready:
+            return ready, READY
+        evicted = {w for w, p in by_worker.items() if p.state == EVICTED}
+        if evicted:
+            return evicted, EVICTED
+        if by_worker and all(p.state == FAILED for p in by_worker.values()):
+            return set(), FAILED
+        return set(), "wait"
+
+    def _allowed_for(self, names: tuple[str, ...]) -> set[str]:
+        allowed = self._allowed.get(names)
+        if allowed is None:
+            allowed = self._allowed[names] = {_NOBODY}
+            self._update_allowed(names, allowed)
+        return allowed
+
+    def _update_allowed(self, names: tuple[str, ...], allowed: set[str]) -> None:
+        workers: set[str] | None = None
+        for name in names:
+            eligible = self._eligible(name)[0]
+            workers = eligible if workers is None else workers & eligible
+        allowed.clear()
+        allowed.add(_NOBODY)
+        allowed.update(workers or ())
+
+    def _refresh(self, names: Iterable[str], stimulus_id: str) -> None:
+        """Recompute the restriction sets that involve ``names``; wake or fail waiters."""
+        assert self.scheduler is not None
+        names = set(names)
+        touched = False
+        for combo, allowed in self._allowed.items():
+            if names.intersection(combo):
+                self._update_allowed(combo, allowed)
+                touched = True
+        if touched:
+            recs: dict[Any, Any] = {}
+            for ts in self.scheduler.unrunnable:
+                needs = self._needs.get(ts.key)
+                if needs and names.intersection(needs) and self.scheduler.valid_workers(ts):
+                    recs[ts.key] = "processing"
+            if recs:
+                self.scheduler.transitions(recs, stimulus_id)
+        hopeless = {n for n in names if self._eligible(n)[1] == FAILED}
+        if hopeless:
+            self._fail_waiting(hopeless, stimulus_id)
+
+    def _fail_waiting(self, names: set[str], stimulus_id: str) -> None:
+        """Err the waiting tasks of contexts that failed on every worker."""
+        for name in names:
+            if self._eligible(name)[1] != FAILED:
+                continue
+            failures = {w: p.error or "" for w, p in self.placements[name].items()}
+            lines = [f"context {name!r} failed on every worker ({len(failures)}):"]
+            lines += [f"  {w}: {msg}" for w, msg in sorted(failures.items())]
+            exc = ContextLoadError("\n".join(lines), failures)
+            self._err_unrunnable(lambda combo, n=name: n in combo, exc, stimulus_id)
+
+    def _err_unrunnable(self, needs: Any, exc: BaseException, stimulus_id: str) -> None:
+        from distributed.protocol.pickle import dumps
+
+        assert self.scheduler is not None
+        doomed = [
+            ts.key
+            for ts in self.scheduler.unrunnable
+            if ts.key in self._needs and needs(self._needs[ts.key]) and not ts.loose_restrictions
+        ]
+        if not doomed:
+            return
+        payload = dumps(exc)
+        for key in doomed:
+            self.scheduler.transition(
+                key,
+                "erred",
+                stimulus_id=stimulus_id,
+                cause=key,
+                exception=payload,
+                exception_text=str(exc),
+                traceback=None,
+                traceback_text="",
+            )
+        logger.warning("%d waiting task(s) erred: %s", len(doomed), str(exc).splitlines()[0])
+
+    # -- reading ---------------------------------------------------------------------------
+    def rows(self, contexts: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        """Status rows, sorted by context then worker."""
+        wanted = None if contexts is None else set(contexts)
+        now = time.time()
+        return [
+            p.row(now)
+            for name in sorted(self.placements)
+            if wanted is None or name in wanted
+            for _, p in sorted(self.placements[name].items())
+        ]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per context: level, workers per state, tasks served, waiting tasks."""
+        waiting: dict[str, int] = {}
+        if self.scheduler is not None:
+            for ts in self.scheduler.unrunnable:
+                for name in self._needs.get(ts.key, ()):
+                    waiting[name] = waiting.get(name, 0) + 1
+        out = {}
+        for name, by_worker in sorted(self.placements.items()):
+            states: dict[str, int] = {}
+            for p in by_worker.values():
+                states[p.state] = states.get(p.state, 0) + 1
+            out[name] = {
+                "level": self.levels.get(name),
+                "workers": states,
+                "tasks": sum(p.tasks for p in by_worker.values()),
+                "waiting_tasks": waiting.get(name, 0),
+            }
+        return out
+
+
+def get_plugin(scheduler: Scheduler) -> ContextScheduler:
+    """The :class:`ContextScheduler` installed on ``scheduler``."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, ContextScheduler):
+        raise ContextNotFoundError(
+            "dask_pcm's scheduler plugin is not installed on this scheduler: "
+            "call dask_pcm.register(client, context) first"
+        )
+    return plugin
