@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed import SchedulerPlugin
 
-from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError, ContextTimeoutError
 from dask_pcm.tasks import ContextTask
-from dask_pcm.worker import EVICTED, FAILED, READY, STATE_OP
+from dask_pcm.worker import EVICTED, FAILED, FETCHING, LOADING, READY, STATE_OP
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "dask-pcm"
 ABSENT = "absent"
+UNKNOWN = "unknown"
+_HOPELESS = (FAILED, UNKNOWN)
 _HISTORY = 16
 # A restriction set is never empty (empty means "unrestricted" to the scheduler): this
 # address, which no worker has, keeps it restricting when no worker qualifies.
@@ -165,8 +167,12 @@ class ContextScheduler(SchedulerPlugin):
 
     # -- plugin hooks ----------------------------------------------------------------------
     async def start(self, scheduler: Scheduler) -> None:
+        from tornado.ioloop import PeriodicCallback
+
         self.scheduler = scheduler
         scheduler.stream_handlers[STATE_OP] = self._on_state
+        self._stuck_check = PeriodicCallback(self._fail_stuck, 1000)
+        self._stuck_check.start()
         from dask_pcm import dashboard
 
         dashboard.install(self)
@@ -174,6 +180,7 @@ class ContextScheduler(SchedulerPlugin):
     async def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stream_handlers.pop(STATE_OP, None)
+            self._stuck_check.stop()
         from dask_pcm import dashboard
 
         dashboard.uninstall(self)
@@ -200,7 +207,7 @@ class ContextScheduler(SchedulerPlugin):
                 continue  # the user chose workers explicitly
             ts.worker_restrictions = self._allowed_for(names)
             ts.loose_restrictions = func.allow_other_workers
-            hopeless.update(n for n in names if self._eligible(n)[1] == FAILED)
+            hopeless.update(n for n in names if self._eligible(n)[1] in _HOPELESS)
         if hopeless:
             # The new tasks reach "no-worker" only after this hook returns.
             asyncio.get_running_loop().call_soon(
@@ -242,8 +249,7 @@ class ContextScheduler(SchedulerPlugin):
         self.levels.pop(name, None)
         self.placements.pop(name, None)
         self.load_durations.pop(name, None)
-        exc = ContextNotFoundError(f"context {name!r} was unregistered while tasks waited for it")
-        self._err_unrunnable(lambda names: name in names, exc, f"pcm-forget-{time.time()}")
+        self._refresh([name], stimulus_id=f"pcm-forget-{time.time()}")
 
     # -- state reports from workers ---------------------------------------------------------
     def _on_state(self, worker: str, context: str, state: str, seq: int, **info: Any) -> None:
@@ -284,8 +290,11 @@ class ContextScheduler(SchedulerPlugin):
         """Workers that may run tasks needing ``name`` now, and why.
 
         The reason is ``ready``, ``evicted`` (rebuilt on demand), ``wait`` (loading, or no
-        report yet, or no workers) or ``failed`` (failed on every connected worker).
+        report yet, or no workers), ``failed`` (failed on every connected worker) or
+        ``unknown`` (not registered).
         """
+        if name not in self.levels:
+            return set(), UNKNOWN
         by_worker = self.placements.get(name, {})
         ready = {w for w, p in by_worker.items() if p.state == READY}
         if ready:
@@ -330,20 +339,58 @@ class ContextScheduler(SchedulerPlugin):
                     recs[ts.key] = "processing"
             if recs:
                 self.scheduler.transitions(recs, stimulus_id)
-        hopeless = {n for n in names if self._eligible(n)[1] == FAILED}
+        hopeless = {n for n in names if self._eligible(n)[1] in _HOPELESS}
         if hopeless:
             self._fail_waiting(hopeless, stimulus_id)
 
     def _fail_waiting(self, names: set[str], stimulus_id: str) -> None:
-        """Err the waiting tasks of contexts that failed on every worker."""
+        """Err the waiting tasks of contexts that failed on every worker or are unknown."""
         for name in names:
-            if self._eligible(name)[1] != FAILED:
+            reason = self._eligible(name)[1]
+            if reason == UNKNOWN:
+                known = sorted(self.levels) or "none"
+                missing = ContextNotFoundError(
+                    f"context {name!r} is not registered (registered: {known}); "
+                    "call dask_pcm.register(client, context) first"
+                )
+                self._err_unrunnable(lambda combo, n=name: n in combo, missing, stimulus_id)
+                continue
+            if reason != FAILED:
                 continue
             failures = {w: p.error or "" for w, p in self.placements[name].items()}
             lines = [f"context {name!r} failed on every worker ({len(failures)}):"]
             lines += [f"  {w}: {msg}" for w, msg in sorted(failures.items())]
             exc = ContextLoadError("\n".join(lines), failures)
             self._err_unrunnable(lambda combo, n=name: n in combo, exc, stimulus_id)
+
+    def _fail_stuck(self) -> None:
+        """Err tasks waiting for a context that no worker finished loading in time.
+
+        Applies ``pcm.worker.ready-timeout`` on the scheduler: when every worker that has
+        the context has been absent, fetching or loading for longer than that, its waiting
+        tasks err with :class:`~dask_pcm.ContextTimeoutError`. With no workers at all (jobs
+        still queued on a batch system) tasks keep waiting.
+        """
+        from dask_pcm import config
+
+        timeout = config.ready_timeout()
+        if timeout is None or self.scheduler is None or not self.scheduler.unrunnable:
+            return
+        now = time.time()
+        for name, by_worker in list(self.placements.items()):
+            if not by_worker or any(
+                p.state not in (ABSENT, FETCHING, LOADING) or now - p.since <= timeout
+                for p in by_worker.values()
+            ):
+                continue
+            detail = ", ".join(
+                f"{w} {p.state} for {now - p.since:.0f} s" for w, p in sorted(by_worker.items())
+            )
+            exc = ContextTimeoutError(
+                f"context {name!r} not ready on any worker after {timeout:g} s "
+                f"(pcm.worker.ready-timeout): {detail}"
+            )
+            self._err_unrunnable(lambda combo, n=name: n in combo, exc, f"pcm-stuck-{now}")
 
     def _err_unrunnable(self, needs: Any, exc: BaseException, stimulus_id: str) -> None:
         from distributed.protocol.pickle import dumps
