@@ -187,7 +187,7 @@ def test_ready_timeout_fails_the_task_not_hangs(cluster):
         )
         # Steered: the task waits on the scheduler, which gives up on the stuck loads.
         fut = dask_pcm.submit(client, _built_at, context="slow", pure=False)
-        with pytest.raises(ContextTimeoutError, match="not ready on any worker after 0.2 s"):
+        with pytest.raises(ContextTimeoutError, match=r"not ready on any worker after 0\.2 s"):
             fut.result(timeout=10)
         # Loose placement sends it to a worker still loading: the worker's wait times out.
         fut = dask_pcm.submit(

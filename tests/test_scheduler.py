@@ -1,0 +1,282 @@
+"""The scheduler plugin: placement on ready workers, failures, stealing, eviction, status.
+
+Workers run in this process (``processes=False``), so a module-level gate controls what a
+worker's loader does when it joins: load at once, block until the test opens the gate, or
+fail with a message the test then expects in the task's error.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, get_worker
+
+import dask_pcm
+from dask_pcm import ContextLoadError
+
+GATE = threading.Event()
+MODE = {"block": False, "fail": False}
+
+
+class GatedLoader:
+    """Builds a small object; blocks on ``GATE`` or fails as ``MODE`` says at load time."""
+
+    def __call__(self, location: str) -> dict[str, str]:
+        if MODE["fail"]:
+            raise RuntimeError(f"CUDA out of memory (on purpose) loading {location}")
+        if MODE["block"]:
+            assert GATE.wait(60), "test gate never opened"
+            if MODE["fail"]:
+                raise RuntimeError(f"CUDA out of memory (on purpose) loading {location}")
+        return {"location": location}
+
+
+class Blob:
+    """A context of a declared size, for the memory budget."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class BlobLoader:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __call__(self, location: str) -> Blob:
+        return Blob(self.nbytes)
+
+
+def where(x: int = 0, delay: float = 0.0) -> str:
+    time.sleep(delay)
+    return get_worker().address
+
+
+@pytest.fixture
+def one_worker() -> Iterator[tuple[LocalCluster, Client]]:
+    GATE.clear()
+    MODE.update(block=False, fail=False)
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        yield cluster, client
+    GATE.set()  # never leave a loader thread blocked
+
+
+def _workers(client: Client) -> set[str]:
+    return set(client.scheduler_info()["workers"])
+
+
+def _add_worker(cluster: LocalCluster, client: Client) -> str:
+    before = _workers(client)
+    cluster.scale(len(before) + 1)
+    client.wait_for_workers(len(before) + 1, timeout=30)
+    (added,) = _workers(client) - before
+    return added
+
+
+def _state(client: Client, context: str, worker: str) -> str | None:
+    table = dask_pcm.status(client, [context])
+    rows = table[table["worker"] == worker]
+    return None if rows.empty else str(rows["state"].iloc[0])
+
+
+def _wait_state(client: Client, context: str, worker: str, state: str) -> None:
+    deadline = time.monotonic() + 20
+    while (now := _state(client, context, worker)) != state:
+        assert time.monotonic() < deadline, f"{worker} stayed {now}, expected {state}"
+        time.sleep(0.05)
+
+
+def _task_states(client: Client, futures: list) -> set[str]:
+    keys = [f.key for f in futures]
+
+    def states(dask_scheduler=None):
+        return {dask_scheduler.tasks[k].state for k in keys if k in dask_scheduler.tasks}
+
+    return client.run_on_scheduler(states)
+
+
+def _only_a_loading_worker(cluster: LocalCluster, client: Client) -> str:
+    """Register on one worker, add a second that blocks loading, retire the first."""
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    (first,) = _workers(client)
+    MODE["block"] = True
+    second = _add_worker(cluster, client)
+    _wait_state(client, "gated", second, "loading")
+    client.retire_workers([first], close_workers=True)
+    deadline = time.monotonic() + 20
+    while first in _workers(client):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return second
+
+
+def test_tasks_go_to_the_ready_worker_until_the_other_is_ready(one_worker):
+    cluster, client = one_worker
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    (first,) = _workers(client)
+    MODE["block"] = True
+    second = _add_worker(cluster, client)
+    _wait_state(client, "gated", second, "loading")
+
+    early = dask_pcm.map(client, where, range(20), context="gated", delay=0.02)
+    assert set(client.gather(early)) == {first}
+    assert _state(client, "gated", second) == "loading"
+
+    GATE.set()
+    _wait_state(client, "gated", second, "ready")
+    late = dask_pcm.map(client, where, range(20, 60), context="gated", delay=0.05)
+    assert set(client.gather(late)) == {first, second}
+    table = dask_pcm.status(client, ["gated"]).set_index("worker")
+    assert table.loc[first, "tasks"] + table.loc[second, "tasks"] == 60
+    assert table.loc[second, "tasks"] > 0
+
+
+def test_a_failed_worker_gets_no_context_task_but_plain_tasks(one_worker):
+    cluster, client = one_worker
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    (good,) = _workers(client)
+    MODE["fail"] = True
+    bad = _add_worker(cluster, client)
+    _wait_state(client, "gated", bad, "failed")
+
+    ran_on = client.gather(dask_pcm.map(client, where, range(30), context="gated", delay=0.02))
+    assert set(ran_on) == {good}
+    plain = client.gather(client.map(where, range(30), delay=0.02, pure=False))
+    assert bad in set(plain)  # the failed worker is otherwise healthy and used
+    row = dask_pcm.status(client, ["gated"]).set_index("worker").loc[bad]
+    assert row["tasks"] == 0
+    assert "CUDA out of memory (on purpose)" in row["error"]
+
+
+@pytest.fixture
+def two_loads_at_once() -> Iterator[None]:
+    # A joining worker's failing load must not queue behind another that blocks.
+    with dask.config.set({"pcm.worker.load-concurrency": 2}):
+        yield
+
+
+def test_stolen_tasks_land_only_on_ready_workers(one_worker, two_loads_at_once):
+    cluster, client = one_worker
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    (first,) = _workers(client)
+    MODE["block"] = True
+    second = _add_worker(cluster, client)
+    _wait_state(client, "gated", second, "loading")
+    MODE["fail"] = True
+    third = _add_worker(cluster, client)
+    _wait_state(client, "gated", third, "failed")
+
+    # All of these are placed on the only ready worker...
+    futures = dask_pcm.map(client, where, range(40), context="gated", delay=0.1, pure=False)
+    time.sleep(0.5)
+    MODE["fail"] = False
+    GATE.set()  # ...then the second becomes ready: work stealing moves some there.
+    ran_on = client.gather(futures)
+    assert second in set(ran_on), "no task was stolen by the worker that became ready"
+    assert set(ran_on) == {first, second}  # never the failed third
+
+    def thieves(dask_scheduler=None):
+        # Stealing logs ("confirm", key, state, victim, thief, stimulus_id) per move made.
+        return {
+            event[4] for _, event in dask_scheduler.get_events("stealing") if event[0] == "confirm"
+        }
+
+    assert client.run_on_scheduler(thieves) == {second}
+
+
+def test_tasks_err_with_the_loader_error_when_every_worker_failed(one_worker):
+    cluster, client = one_worker
+    second = _only_a_loading_worker(cluster, client)
+    futures = dask_pcm.map(client, where, range(5), context="gated")
+    time.sleep(0.3)
+    assert _task_states(client, futures) == {"no-worker"}  # waiting for the loading worker
+    MODE["fail"] = True
+    GATE.set()
+    for future in futures:
+        with pytest.raises(ContextLoadError, match="CUDA out of memory") as info:
+            future.result(timeout=10)
+        assert second in info.value.failures
+    # Work submitted afterwards fails at once too.
+    with pytest.raises(ContextLoadError, match="failed on every worker"):
+        dask_pcm.submit(client, where, 99, context="gated").result(timeout=10)
+
+
+def test_allow_other_workers_runs_on_a_worker_still_loading(one_worker):
+    cluster, client = one_worker
+    worker = _only_a_loading_worker(cluster, client)
+    strict = dask_pcm.submit(client, where, 1, context="gated")
+    loose = dask_pcm.submit(client, where, 2, context="gated", allow_other_workers=True)
+    time.sleep(0.3)
+    assert _task_states(client, [strict]) == {"no-worker"}
+    assert _task_states(client, [loose]) == {"processing"}  # waits on the worker instead
+    GATE.set()
+    assert loose.result(timeout=10) == worker
+    assert strict.result(timeout=10) == worker
+
+
+def test_three_contexts_with_a_budget_for_two_evict_the_least_recently_used(one_worker):
+    _, client = one_worker
+    (worker,) = _workers(client)
+    mib = 2**20
+    with dask.config.set({"pcm.worker.context-memory-limit": "2.5 MiB"}):
+        for name in ("a", "b"):
+            dask_pcm.register(client, dask_pcm.Context(name, BlobLoader(mib)))
+        dask_pcm.submit(client, where, context="a").result()  # now b is the least recent
+        dask_pcm.register(client, dask_pcm.Context("c", BlobLoader(mib)))
+        _wait_state(client, "b", worker, "evicted")
+        table = dask_pcm.status(client).set_index("context")
+        assert list(table["state"]) == ["ready", "evicted", "ready"]
+        assert table.loc["b", "evictions"] == 1
+        assert table.loc["a", "nbytes"] == mib
+
+        # b is needed again: rebuilt on demand, evicting the least recent of a and c (a).
+        assert dask_pcm.submit(client, where, context="b").result(timeout=20) == worker
+        _wait_state(client, "a", worker, "evicted")
+        table = dask_pcm.status(client).set_index("context")
+        assert table.loc["b", "state"] == "ready"
+        assert table.loc["b", "loads"] == 2
+        assert table.loc["c", "state"] == "ready"
+        assert table[table["state"] == "ready"]["nbytes"].sum() <= 2.5 * mib
+
+
+def test_status_json_route_matches_status_and_metrics(one_worker):
+    cluster, client = one_worker
+    _add_worker(cluster, client)
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    client.gather(dask_pcm.map(client, where, range(6), context="gated"))
+    base = client.dashboard_link.rsplit("/", 1)[0]
+
+    with urllib.request.urlopen(f"{base}/pcm/status.json", timeout=10) as response:
+        doc = json.load(response)
+    table = dask_pcm.status(client)
+    drop = ["state_seconds"]  # time-dependent
+    assert [{k: v for k, v in r.items() if k not in drop} for r in doc["rows"]] == (
+        table.drop(columns=drop).to_dict("records")
+    )
+    assert doc["contexts"]["gated"]["workers"] == {"ready": 2}
+    assert doc["contexts"]["gated"]["tasks"] == 6
+
+    with urllib.request.urlopen(f"{base}/pcm/status", timeout=10) as response:
+        page = response.read().decode()
+    assert "contexts per worker" in page
+
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'dask_pcm_ready_workers{context="gated"} 2.0' in metrics
+    assert 'dask_pcm_load_seconds_count{context="gated"} 2.0' in metrics
+    served = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith('dask_pcm_tasks_total{context="gated"')
+    ]
+    assert sum(served) == 6
