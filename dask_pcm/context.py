@@ -76,6 +76,7 @@ def causal_lm(
     level: str | None = None,
     device: str = "auto",
     dtype: str = "auto",
+    batch_size: int | None = None,
 ) -> Context:
     """A :class:`Context` holding a causal language model, its tokenizer and device.
 
@@ -95,6 +96,9 @@ def causal_lm(
         ``"cuda:1"``...
     dtype : str
         ``"auto"`` (float32 on CPU, bfloat16 or float16 on GPU) or a torch dtype name.
+    batch_size : int, optional
+        Most prompts per forward pass; ``None`` chooses per worker from its device (8 on a
+        CPU, from free memory on a GPU; see :class:`dask_pcm.llm.CausalLM`).
 
     Examples
     --------
@@ -105,4 +109,5 @@ def causal_lm(
     from dask_pcm.llm import CausalLM
 
     template = None if source is None else os.fspath(source)
-    return Context(name, CausalLM(device=device, dtype=dtype), template=template, level=level)
+    loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)
+    return Context(name, loader, template=template, level=level)

@@ -174,7 +174,7 @@ _PAGE = r"""<!DOCTYPE html>
 <th>tasks served</th><th>tasks waiting</th></tr></thead><tbody></tbody></table>
 <table id="rows"><thead><tr><th>worker</th><th>context</th><th>state</th><th>for</th>
 <th>loads</th><th>load s</th><th>tasks</th><th>errors</th><th>evictions</th><th>memory</th>
-<th>device</th><th>error</th></tr></thead><tbody></tbody></table>
+<th>device</th><th>batch</th><th>error</th></tr></thead><tbody></tbody></table>
 <script>
 function esc(s) {
   return String(s == null ? "" : s).replace(/[&<>"]/g,
@@ -209,6 +209,7 @@ async function refresh() {
       `<td class="num">${r.load_seconds.toFixed(2)}</td><td class="num">${r.tasks}</td>` +
       `<td class="num">${r.task_errors}</td><td class="num">${r.evictions}</td>` +
       `<td class="num">${bytes(r.nbytes)}</td><td>${esc(r.device)}</td>` +
+      `<td class="num">${esc(r.batch_size)}</td>` +
       `<td class="err">${esc(r.error)}</td></tr>`).join("");
   } catch (e) {
     document.getElementById("sub").textContent = "scheduler unreachable: " + e;

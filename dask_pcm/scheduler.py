@@ -81,6 +81,7 @@ STATUS_COLUMNS = [
     "evictions",
     "nbytes",
     "device",
+    "batch_size",
     "template",
     "location",
     "template_bytes",
@@ -105,6 +106,7 @@ class Placement:
     evictions: int = 0
     nbytes: int = 0
     device: str | None = None
+    batch_size: int | None = None
     template: str | None = None
     location: str | None = None
     template_bytes: int = 0
@@ -138,6 +140,7 @@ class Placement:
             "evictions": self.evictions,
             "nbytes": self.nbytes,
             "device": self.device,
+            "batch_size": self.batch_size,
             "template": self.template,
             "location": self.location,
             "template_bytes": self.template_bytes,
@@ -271,6 +274,7 @@ class ContextScheduler(SchedulerPlugin):
             "evictions",
             "nbytes",
             "device",
+            "batch_size",
             "template",
             "location",
             "template_bytes",

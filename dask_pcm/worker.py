@@ -127,6 +127,7 @@ class ContextPlugin(WorkerPlugin):
         self.nbytes = 0
         self.template_bytes = 0
         self.device: str | None = None
+        self.batch_size: int | None = None
         self._value: Any = None
         self._version = 0
         self._sent_version = -1
@@ -269,6 +270,8 @@ class ContextPlugin(WorkerPlugin):
             self.last_load_seconds = elapsed
             if self.device is None:
                 self.device = describe_device(value)
+            batch_size = getattr(value, "batch_size", None)
+            self.batch_size = batch_size if isinstance(batch_size, int) else None
         self._notify()
         return value
 
@@ -417,6 +420,7 @@ class ContextPlugin(WorkerPlugin):
                 "tasks": self.tasks,
                 "nbytes": self.nbytes,
                 "device": self.device,
+                "batch_size": self.batch_size,
                 "template": self.context.template,
                 "location": self.location,
                 "template_bytes": self.template_bytes,

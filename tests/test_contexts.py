@@ -47,6 +47,7 @@ def test_full_loads_once_per_worker_and_serves_every_task(cluster, tiny_model_di
     served = {addr for addr, _ in results}
     assert served <= set(rows)
     assert all(r.device.startswith("cpu (") and r.level == "full" for r in rows.values())
+    assert all(r.batch_size == 8 for r in rows.values())  # chosen for the CPU at load
 
 
 def test_agnostic_loads_once_per_task(cluster, tiny_model_dir):

@@ -138,7 +138,8 @@ def test_loader_pickles_and_compares_equal():
     assert tokenize(clone) == tokenize(loader)
     assert tokenize(CausalLM()) != tokenize(loader)
     assert CausalLM() != loader
-    assert repr(loader) == "CausalLM(device='cpu', dtype='float32')"
+    assert repr(loader) == "CausalLM(device='cpu', dtype='float32', batch_size=None)"
+    assert tokenize(CausalLM(batch_size=4)) != tokenize(CausalLM())
     assert len(pickle.dumps(loader)) < 200  # only the options travel
 
 
@@ -147,6 +148,28 @@ def test_bad_options_are_rejected():
         CausalLM(dtype="float8")
     with pytest.raises(ValueError, match="device"):
         CausalLM(device="")
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            CausalLM(batch_size=bad)  # type: ignore[arg-type]
+
+
+def test_a_cpu_worker_batches_by_eight_unless_told(tiny_model_dir):
+    from dask_pcm.llm import CPU_BATCH_SIZE
+
+    assert CausalLM(device="cpu")(tiny_model_dir).batch_size == CPU_BATCH_SIZE == 8
+    assert CausalLM(device="cpu", batch_size=3)(tiny_model_dir).batch_size == 3
+
+
+def test_long_lists_run_in_batches_with_the_same_results(tiny_lm):
+    prompts = [f"claim {i}: " + "the sky is blue " * (i % 4) for i in range(11)]
+    whole = tiny_lm.next_token_logits(prompts)
+    generated = tiny_lm.generate(prompts[:5], max_new_tokens=3)
+    tiny_lm.batch_size = 3
+    try:
+        torch.testing.assert_close(tiny_lm.next_token_logits(prompts), whole, atol=1e-4, rtol=1e-4)
+        assert tiny_lm.generate(prompts[:5], max_new_tokens=3) == generated
+    finally:
+        tiny_lm.batch_size = 8
 
 
 def test_release_frees_the_model(tiny_model_dir):
