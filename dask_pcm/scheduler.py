@@ -198,7 +198,7 @@ class ContextScheduler(SchedulerPlugin):
             self._refresh(changed, stimulus_id=f"pcm-remove-worker-{time.time()}")
 
     def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
-        hopeless: set[str] = set()
+        seen: set[tuple[str, ...]] = set()
         for key in tasks:
             ts = scheduler.tasks.get(key)
             func = getattr(getattr(ts, "run_spec", None), "func", None)
@@ -206,11 +206,12 @@ class ContextScheduler(SchedulerPlugin):
                 continue
             names = func.names
             self._needs[key] = names
+            seen.add(names)
             if ts.worker_restrictions or ts.host_restrictions:
                 continue  # the user chose workers explicitly
             ts.worker_restrictions = self._allowed_for(names)
             ts.loose_restrictions = func.allow_other_workers
-            hopeless.update(n for n in names if self._eligible(n)[1] in _HOPELESS)
+        hopeless = {n for names in seen for n in names if self._eligible(n)[1] in _HOPELESS}
         if hopeless:
             # The new tasks reach "no-worker" only after this hook returns.
             asyncio.get_running_loop().call_soon(

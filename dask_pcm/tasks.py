@@ -17,7 +17,6 @@ from typing import Any
 from dask.utils import funcname
 from distributed import get_worker
 
-from dask_pcm import config
 from dask_pcm.exceptions import ContextNotFoundError
 from dask_pcm.worker import ContextPlugin, context_plugins, plugin_name
 
@@ -71,7 +70,7 @@ def get_context(name: str) -> Any:
     held = getattr(_scope, "contexts", None)
     if held is not None and name in held:
         return held[name]
-    value, _ = _plugin(name).acquire(config.ready_timeout())
+    value, _ = _plugin(name).acquire()
     return value
 
 
@@ -80,11 +79,10 @@ def _acquired(names: Sequence[str]) -> Iterator[None]:
     held: dict[str, Any] = getattr(_scope, "contexts", None) or {}
     outer = dict(held)
     taken: list[tuple[ContextPlugin, Any, bool]] = []
-    timeout = config.ready_timeout()
     try:
         for name in names:
             plugin = _plugin(name)
-            value, owned = plugin.acquire(timeout)
+            value, owned = plugin.acquire()
             taken.append((plugin, value, owned))
             held[name] = value
         _scope.contexts = held
@@ -136,7 +134,8 @@ class ContextTask:
             return self.fn(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (ContextTask, (self.fn, self.names, self.allow_other_workers))
+        # Rebuilt without __init__'s checks: one of these is unpickled per task on workers.
+        return (_restore, (self.fn, self.names, self.allow_other_workers, self.__name__))
 
     def __dask_tokenize__(self) -> Any:
         from dask.base import tokenize
@@ -146,6 +145,19 @@ class ContextTask:
     def __repr__(self) -> str:
         extra = ", allow_other_workers=True" if self.allow_other_workers else ""
         return f"ContextTask({self.__name__}, contexts={list(self.names)}{extra})"
+
+
+def _restore(
+    fn: Callable[..., Any], names: tuple[str, ...], allow_other_workers: bool, name: str
+) -> ContextTask:
+    task = ContextTask.__new__(ContextTask)
+    task.fn, task.names, task.allow_other_workers, task.__name__ = (
+        fn,
+        names,
+        allow_other_workers,
+        name,
+    )
+    return task
 
 
 def uses_context(

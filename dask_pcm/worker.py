@@ -371,9 +371,13 @@ class ContextPlugin(WorkerPlugin):
             f"context {self.context.name!r} was unregistered from worker {self.worker_address}"
         )
 
-    def acquire(self, timeout: float | None) -> tuple[Any, bool]:
-        """The object for one task and whether the task owns it (must release it)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def acquire(self, timeout: float | str | None = "configured") -> tuple[Any, bool]:
+        """The object for one task and whether the task owns it (must release it).
+
+        Waits at most ``timeout`` seconds for the context (``"configured"``:
+        ``pcm.worker.ready-timeout``, read only when there is something to wait for).
+        """
+        deadline: float | None = None
         while True:
             with self._lock:
                 if self.state == READY:
@@ -381,8 +385,13 @@ class ContextPlugin(WorkerPlugin):
                     self.last_used = time.monotonic()
                     value = self._value
                     break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self.wait_ready(left)
+            if deadline is None:
+                seconds = config.ready_timeout() if timeout == "configured" else timeout
+                if seconds is None:
+                    self.wait_ready(None)
+                    continue
+                deadline = time.monotonic() + float(seconds)
+            self.wait_ready(max(0.0, deadline - time.monotonic()))
         if self.level == "full":
             return value, False
         try:
