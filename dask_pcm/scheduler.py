@@ -25,6 +25,13 @@ that lost a resource (eviction) would keep tasks it can no longer run. Work stea
 honours worker restrictions (``WorkStealing._get_thief``), so a stolen task only moves to
 another worker in the set. A task submitted with explicit ``workers=`` keeps them.
 
+In the steady state, when every connected worker has the task's contexts ready, no
+restriction is needed and none is set: Dask places (and queues) those tasks exactly like
+plain ones, at no extra cost. The moment a worker is not ready (one joins, fails, is evicted),
+the plugin gives every such task that has not run yet the shared set, before the scheduler
+can offer the newcomer any work; tasks waiting in Dask's queue, which ignores restrictions,
+are taken out and placed again.
+
 The set holds the workers where every needed context is ``ready``; when there are none,
 those where it was ``evicted`` (they rebuild it on demand); else nobody, and the tasks wait
 in ``no-worker`` until a worker becomes ready. When every connected worker has *failed* to
@@ -164,6 +171,8 @@ class ContextScheduler(SchedulerPlugin):
         # Shared restriction set per combination of contexts a task needs.
         self._allowed: dict[tuple[str, ...], set[str]] = {}
         self._needs: dict[Any, tuple[str, ...]] = {}
+        # Context tasks left unrestricted because every worker was ready when they came.
+        self._free: dict[Any, tuple[str, ...]] = {}
         # Load durations observed (for the Prometheus histogram), per context.
         self.load_durations: dict[str, list[float]] = {}
         self.scheduler: Scheduler | None = None
@@ -191,6 +200,9 @@ class ContextScheduler(SchedulerPlugin):
     def add_worker(self, scheduler: Scheduler, worker: str) -> None:
         for name, level in self.levels.items():
             self.placements[name].setdefault(worker, Placement(worker, name, level))
+        # Runs before the scheduler offers the new worker any task: restrict the free
+        # context tasks now, so none goes to a worker that has not loaded its context.
+        self._refresh(list(self.levels), stimulus_id=f"pcm-add-worker-{time.time()}")
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
         changed = [name for name, by in self.placements.items() if by.pop(worker, None)]
@@ -209,6 +221,11 @@ class ContextScheduler(SchedulerPlugin):
             seen.add(names)
             if ts.worker_restrictions or ts.host_restrictions:
                 continue  # the user chose workers explicitly
+            if self._all_ready(names):
+                # The steady state: no restriction needed, so Dask places (and queues) these
+                # exactly like plain tasks. Restricted the moment a worker is not ready.
+                self._free[key] = names
+                continue
             ts.worker_restrictions = self._allowed_for(names)
             ts.loose_restrictions = func.allow_other_workers
         hopeless = {n for names in seen for n in names if self._eligible(n)[1] in _HOPELESS}
@@ -235,6 +252,7 @@ class ContextScheduler(SchedulerPlugin):
                         placement.task_errors += 1
         elif finish == "forgotten":
             del self._needs[key]
+            self._free.pop(key, None)
 
     # -- declarations (from dask_pcm.register / unregister) ---------------------------------
     def declare(self, name: str, level: str) -> None:
@@ -311,6 +329,42 @@ class ContextScheduler(SchedulerPlugin):
             return set(), FAILED
         return set(), "wait"
 
+    def _all_ready(self, names: tuple[str, ...]) -> bool:
+        """Whether every connected worker has all of ``names`` ready."""
+        assert self.scheduler is not None
+        workers = self.scheduler.workers
+        for name in names:
+            by_worker = self.placements.get(name)
+            if not by_worker or len(by_worker) < len(workers):
+                return False
+            if any(p.state != READY for p in by_worker.values()):
+                return False
+        return bool(workers)
+
+    def _restrict_free(self, names: set[str], stimulus_id: str) -> None:
+        """Give the free tasks needing any of ``names`` their restriction sets.
+
+        Queued tasks leave Dask's queue (which ignores restrictions) and are placed again.
+        """
+        assert self.scheduler is not None
+        recs: dict[Any, Any] = {}
+        for key, combo in list(self._free.items()):
+            if not names.intersection(combo):
+                continue
+            del self._free[key]
+            ts = self.scheduler.tasks.get(key)
+            if ts is None or ts.state in ("memory", "erred", "forgotten"):
+                continue
+            func = getattr(ts.run_spec, "func", None)
+            ts.worker_restrictions = self._allowed_for(combo)
+            ts.loose_restrictions = bool(getattr(func, "allow_other_workers", False))
+            if ts.state == "queued":
+                recs[key] = "released"
+        if recs:
+            # Released tasks that are still wanted go back to waiting, then to a worker in
+            # their restriction set (or no-worker).
+            self.scheduler.transitions(recs, stimulus_id)
+
     def _allowed_for(self, names: tuple[str, ...]) -> set[str]:
         allowed = self._allowed.get(names)
         if allowed is None:
@@ -331,6 +385,10 @@ class ContextScheduler(SchedulerPlugin):
         """Recompute the restriction sets that involve ``names``; wake or fail waiters."""
         assert self.scheduler is not None
         names = set(names)
+        if self._free:
+            not_ready = {n for n in names if not self._all_ready((n,))}
+            if not_ready:
+                self._restrict_free(not_ready, stimulus_id)
         touched = False
         for combo, allowed in self._allowed.items():
             if names.intersection(combo):

@@ -141,6 +141,20 @@ def test_tasks_go_to_the_ready_worker_until_the_other_is_ready(one_worker):
     assert table.loc[second, "tasks"] > 0
 
 
+def test_work_queued_while_all_were_ready_stays_off_a_worker_that_joins(one_worker):
+    cluster, client = one_worker
+    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
+    (first,) = _workers(client)
+    # Every worker is ready: these go unrestricted, queued by Dask like plain tasks...
+    futures = dask_pcm.map(client, where, range(60), context="gated", delay=0.05, pure=False)
+    MODE["block"] = True
+    second = _add_worker(cluster, client)  # ...until a worker joins that is not ready.
+    _wait_state(client, "gated", second, "loading")
+    ran_on = client.gather(futures)
+    assert set(ran_on) == {first}
+    GATE.set()
+
+
 def test_a_failed_worker_gets_no_context_task_but_plain_tasks(one_worker):
     cluster, client = one_worker
     dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
