@@ -9,6 +9,7 @@ when the task ends. The hot path at level ``full`` is two dict look-ups and a co
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -103,7 +104,7 @@ class ContextTask:
     none is ready (that worker then waits for, or rebuilds, the context).
     """
 
-    __slots__ = ("__name__", "allow_other_workers", "fn", "names")
+    __slots__ = ("__name__", "_payload", "allow_other_workers", "fn", "names")
     fn: Callable[..., Any]
     names: tuple[str, ...]
     allow_other_workers: bool
@@ -126,6 +127,7 @@ class ContextTask:
         self.fn = fn
         self.names = names
         self.allow_other_workers = bool(allow_other_workers)
+        self._payload: bytes | None = None
         # Keys and the dashboard use the function's name, not "ContextTask".
         self.__name__ = funcname(self.fn)
 
@@ -134,8 +136,19 @@ class ContextTask:
             return self.fn(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Rebuilt without __init__'s checks: one of these is unpickled per task on workers.
-        return (_restore, (self.fn, self.names, self.allow_other_workers, self.__name__))
+        # The scheduler pickles every task it sends, and a function defined in a script or
+        # notebook is pickled by value each time (~0.3 ms). A ContextTask travels as bytes
+        # pickled where it was made: copies unpickled from them (on the scheduler and the
+        # workers) keep the bytes and send them on as they are, and a worker unpickles each
+        # distinct payload once. The user's own object is pickled afresh at each submission,
+        # so a function that reads globals ships their current values, as with plain Dask.
+        payload = self._payload
+        if payload is None:
+            import cloudpickle
+
+            state = (self.fn, self.names, self.allow_other_workers, self.__name__)
+            payload = cloudpickle.dumps(state, protocol=5)
+        return (_restore, (payload,))
 
     def __dask_tokenize__(self) -> Any:
         from dask.base import tokenize
@@ -147,16 +160,18 @@ class ContextTask:
         return f"ContextTask({self.__name__}, contexts={list(self.names)}{extra})"
 
 
-def _restore(
-    fn: Callable[..., Any], names: tuple[str, ...], allow_other_workers: bool, name: str
-) -> ContextTask:
+@functools.lru_cache(maxsize=256)
+def _restore(payload: bytes) -> ContextTask:
+    """The ContextTask pickled as ``payload``: one shared object per distinct payload.
+
+    Sharing is safe: a ContextTask keeps no per-call state. Rebuilt without ``__init__``'s
+    checks, which ran where it was made.
+    """
+    import pickle
+
     task = ContextTask.__new__(ContextTask)
-    task.fn, task.names, task.allow_other_workers, task.__name__ = (
-        fn,
-        names,
-        allow_other_workers,
-        name,
-    )
+    task.fn, task.names, task.allow_other_workers, task.__name__ = pickle.loads(payload)
+    task._payload = payload
     return task
 
 
