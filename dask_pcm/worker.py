@@ -477,6 +477,6 @@ def context_plugins(worker: Worker) -> dict[str, ContextPlugin]:
     """The context plugins set up on ``worker``, by context name."""
     return {
         p.context.name: p
-        for p in worker.plugins.values()
+        for p in list(worker.plugins.values())  # a snapshot: load threads call this too
         if isinstance(p, ContextPlugin) and hasattr(p, "state")
     }
