@@ -1,0 +1,282 @@
+"""Context templates as verifiable chunks: the format peers exchange model files in.
+
+A template (the files a context is built from: a model directory or a ``.gguf`` file) is cut
+into chunks of ``pcm.template.chunk-size`` bytes (64 MiB by default), file by file; the
+:class:`Manifest` lists every file with its size and the SHA-256 of each of its chunks, and a
+digest of the whole (the hash of the manifest's canonical JSON) names the template: two
+workers hold the same template exactly when their digests match.
+
+Everything here streams: hashing reads a file in 1 MiB pieces, a chunk is read or written on
+its own, so memory stays bounded by one chunk whatever the model's size. Only the files
+:func:`dask_pcm.sources.template_files` admits are ever listed (safetensors, GGUF, JSON and
+text tokenizer files; never pickle checkpoints).
+
+Building a manifest hashes every byte of the template once; the result is cached under
+``<pcm.cache-directory>/manifests``, keyed by the files' paths, sizes and modification times
+and the chunk size, so the next build of an unchanged template only stats its files.
+
+Example
+-------
+>>> manifest, root = build_manifest("/scratch/models/SmolLM2-1.7B-Instruct")  # doctest: +SKIP
+>>> manifest.nchunks, manifest.total_bytes, manifest.digest[:12]           # doctest: +SKIP
+(55, 3422777952, '5f0c2d9a81be')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dask_pcm import config
+from dask_pcm.exceptions import PCMError
+
+FORMAT = "dask-pcm-template/1"
+MANIFEST_NAME = ".dask-pcm-manifest.json"
+_PIECE = 1 << 20  # hashing and copying read this much at a time
+
+
+class ChunkError(PCMError):
+    """A chunk does not match its manifest (wrong size or digest), or is out of range."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a template: its name relative to the root, size and chunk digests."""
+
+    path: str
+    size: int
+    chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Where chunk ``index`` of a template lies: a byte range of one file."""
+
+    index: int
+    path: str
+    offset: int
+    length: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The files of a template, their chunks' SHA-256 digests and the digest of it all."""
+
+    chunk_size: int
+    files: tuple[FileEntry, ...]
+    digest: str
+
+    @property
+    def nchunks(self) -> int:
+        return sum(len(f.chunks) for f in self.files)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def chunk(self, index: int) -> ChunkRef:
+        """The file range of chunk ``index`` (chunks are numbered across files, in order)."""
+        if not 0 <= index < self.nchunks:
+            raise ChunkError(f"chunk {index} out of range: template has {self.nchunks} chunks")
+        for entry in self.files:
+            if index < len(entry.chunks):
+                offset = index * self.chunk_size
+                length = min(self.chunk_size, entry.size - offset)
+                return ChunkRef(index, entry.path, offset, length, entry.chunks[index])
+            index -= len(entry.chunks)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def chunks(self) -> Iterator[ChunkRef]:
+        for index in range(self.nchunks):
+            yield self.chunk(index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "chunk_size": self.chunk_size,
+            "files": [
+                {"path": f.path, "size": f.size, "chunks": list(f.chunks)} for f in self.files
+            ],
+            "digest": self.digest,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        if data.get("format") != FORMAT:
+            raise ChunkError(f"not a {FORMAT} manifest: format {data.get('format')!r}")
+        files = tuple(
+            FileEntry(str(f["path"]), int(f["size"]), tuple(f["chunks"])) for f in data["files"]
+        )
+        manifest = cls(int(data["chunk_size"]), files, str(data["digest"]))
+        expected = _digest(manifest.chunk_size, files)
+        if manifest.digest != expected:
+            raise ChunkError(
+                f"manifest digest {manifest.digest[:12]}... does not match its contents "
+                f"({expected[:12]}...)"
+            )
+        return manifest
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        return cls.from_dict(json.loads(text))
+
+
+def chunk_size() -> int:
+    """Bytes per chunk (``pcm.template.chunk-size``)."""
+    import dask.utils
+
+    size = int(dask.utils.parse_bytes(config.get("template.chunk-size", "64 MiB")))
+    if size < 1:
+        raise ValueError(f"pcm.template.chunk-size must be positive, got {size}")
+    return size
+
+
+def _digest(size: int, files: tuple[FileEntry, ...]) -> str:
+    canonical = json.dumps(
+        [size, [[f.path, f.size, list(f.chunks)] for f in files]], separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _hash_file(path: Path, size: int) -> tuple[str, ...]:
+    """SHA-256 of each ``size``-byte chunk of ``path`` (the last one may be shorter)."""
+    digests = []
+    with path.open("rb") as f:
+        while True:
+            h = hashlib.sha256()
+            n = 0
+            while n < size:
+                piece = f.read(min(_PIECE, size - n))
+                if not piece:
+                    break
+                h.update(piece)
+                n += len(piece)
+            if n == 0:
+                break
+            digests.append(h.hexdigest())
+            if n < size:
+                break
+    return tuple(digests)
+
+
+def build_manifest(
+    source: str | os.PathLike[str] | None, size: int | None = None
+) -> tuple[Manifest, Path]:
+    """The manifest of ``source`` and the folder its file paths are relative to.
+
+    ``source`` is anything :func:`dask_pcm.sources.resolve_source` takes (a model directory, a
+    ``.gguf`` file, a hub id in the local cache, ``None`` or ``"embedded"``).
+
+    Raises
+    ------
+    ModelSourceError
+        The source cannot be resolved or holds no template files.
+    """
+    from dask_pcm.sources import resolve_source, template_files
+
+    size = size or chunk_size()
+    resolved = resolve_source(source)
+    paths = template_files(resolved)
+    root = paths[0].parent if resolved.kind == "gguf" else resolved.path
+    stats = [(p.name, p.stat()) for p in paths]
+    key = hashlib.sha256(
+        json.dumps(
+            [str(root.resolve()), size, [[n, s.st_size, s.st_mtime_ns] for n, s in stats]]
+        ).encode()
+    ).hexdigest()
+    cache = config.cache_directory() / "manifests" / f"{key}.json"
+    if cache.is_file():
+        try:
+            return Manifest.from_json(cache.read_text()), root
+        except (ChunkError, ValueError, KeyError):
+            pass  # rebuilt below
+    files = tuple(FileEntry(name, st.st_size, _hash_file(root / name, size)) for name, st in stats)
+    manifest = Manifest(size, files, _digest(size, files))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(manifest.to_json())
+    os.replace(tmp, cache)
+    return manifest, root
+
+
+def read_chunk(root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
+    """Chunk ``index`` read from the template files under ``root``."""
+    ref = manifest.chunk(index)
+    with open(Path(root) / ref.path, "rb") as f:
+        f.seek(ref.offset)
+        data = f.read(ref.length)
+    return data
+
+
+def verify_chunk(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
+    """Raise :class:`ChunkError` unless ``data`` is chunk ``index`` of ``manifest``."""
+    ref = manifest.chunk(index)
+    if len(data) != ref.length:
+        raise ChunkError(
+            f"chunk {index} ({ref.path} at {ref.offset}): {len(data)} bytes, expected {ref.length}"
+        )
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != ref.sha256:
+        raise ChunkError(
+            f"chunk {index} ({ref.path} at {ref.offset}): SHA-256 {actual[:12]}... does not "
+            f"match the manifest's {ref.sha256[:12]}..."
+        )
+
+
+class TemplateWriter:
+    """Assemble a template from verified chunks, in any order, into ``dest``.
+
+    Files are created at their full size in a hidden staging folder beside ``dest``; each
+    chunk is verified and written at its offset; :meth:`finish` writes the manifest and moves
+    the folder into place in one rename, so ``dest`` either holds the whole template or
+    nothing.
+    """
+
+    def __init__(self, manifest: Manifest, dest: str | os.PathLike[str]) -> None:
+        self.manifest = manifest
+        self.dest = Path(dest)
+        self.staging = self.dest.with_name(f".{self.dest.name}.{os.getpid()}.partial")
+        self.staging.mkdir(parents=True, exist_ok=True)
+        for entry in manifest.files:
+            with open(self.staging / entry.path, "ab") as f:
+                f.truncate(entry.size)
+        self.missing = set(range(manifest.nchunks))
+
+    def write(self, index: int, data: bytes | memoryview) -> None:
+        """Verify chunk ``index`` and write it; raises :class:`ChunkError` if it is wrong."""
+        verify_chunk(self.manifest, index, data)
+        ref = self.manifest.chunk(index)
+        with open(self.staging / ref.path, "r+b") as f:
+            f.seek(ref.offset)
+            f.write(data)
+        self.missing.discard(index)
+
+    def finish(self) -> Path:
+        """Move the complete template into place; raises if chunks are missing."""
+        if self.missing:
+            raise ChunkError(
+                f"{len(self.missing)} of {self.manifest.nchunks} chunks still missing, "
+                f"e.g. {sorted(self.missing)[:5]}"
+            )
+        (self.staging / MANIFEST_NAME).write_text(self.manifest.to_json())
+        if self.dest.exists():
+            import shutil
+
+            shutil.rmtree(self.staging)  # another process completed it first
+        else:
+            os.replace(self.staging, self.dest)
+        return self.dest
+
+    def abort(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.staging, ignore_errors=True)
