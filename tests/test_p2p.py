@@ -1,0 +1,141 @@
+"""Peer-to-peer template transfer between in-process workers: peers, corruption, failures."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import dask
+import pytest
+from distributed import Client
+
+from dask_pcm.chunks import ChunkError, Manifest, build_manifest
+from dask_pcm.p2p import TemplateStore, fetch_template
+from dask_pcm.throttle import SharedBandwidth
+
+KIB = 1024
+
+
+@pytest.fixture
+def template(tiny_model_dir: Path, tmp_path: Path):
+    with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
+        manifest, root = build_manifest(tiny_model_dir, 32 * KIB)
+    return manifest, root
+
+
+def _hold(manifest_json: str, root: str, dask_worker=None) -> None:
+    TemplateStore.of(dask_worker).add(root, Manifest.from_json(manifest_json))
+
+
+async def _fetch(manifest_json, dest, peers, source, dask_worker=None):
+    path, report = await fetch_template(
+        dask_worker, Manifest.from_json(manifest_json), dest, peers, source
+    )
+    return str(path), report.__dict__
+
+
+def _workers(client: Client) -> list[str]:
+    return sorted(client.scheduler_info()["workers"])
+
+
+def _same_files(manifest: Manifest, a: Path, b: Path) -> None:
+    for entry in manifest.files:
+        assert (Path(a) / entry.path).read_bytes() == (Path(b) / entry.path).read_bytes()
+
+
+def test_a_joiner_gets_the_template_from_a_peer(inproc_cluster, template, tmp_path):
+    _, client = inproc_cluster
+    manifest, root = template
+    holder, joiner = _workers(client)
+    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
+    dest = tmp_path / "joiner-copy"
+    path, report = client.run(
+        _fetch, manifest.to_json(), str(dest), [holder], None, workers=[joiner]
+    )[joiner]
+    assert report["bytes_from_peers"] == manifest.total_bytes
+    assert report["bytes_from_source"] == 0
+    _same_files(manifest, root, Path(path))
+
+
+def test_corrupted_chunks_are_discarded_and_fetched_again(inproc_cluster, template, tmp_path):
+    _, client = inproc_cluster
+    manifest, root = template
+    holder, joiner = _workers(client)
+    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
+
+    def corrupt_first_two(dask_worker=None):
+        store = TemplateStore.of(dask_worker)
+        serve, left = store.serve, [2]
+
+        async def bad(digest, index):
+            data = await serve(digest, index)
+            if left[0]:
+                left[0] -= 1
+                return bytes([data[0] ^ 0xFF]) + data[1:]
+            return data
+
+        dask_worker.handlers["pcm_template_chunk"] = bad
+
+    client.run(corrupt_first_two, workers=[holder])
+    path, report = client.run(
+        _fetch, manifest.to_json(), str(tmp_path / "copy"), [holder], None, workers=[joiner]
+    )[joiner]
+    assert report["corrupted"] == 2
+    assert report["bytes_from_peers"] == manifest.total_bytes
+    _same_files(manifest, root, Path(path))
+
+
+def test_a_failing_peer_is_dropped_and_the_source_finishes(inproc_cluster, template, tmp_path):
+    _, client = inproc_cluster
+    manifest, root = template
+    holder, joiner = _workers(client)
+    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
+
+    def die_after_three(dask_worker=None):
+        store = TemplateStore.of(dask_worker)
+        serve, left = store.serve, [3]
+
+        async def flaky(digest, index):
+            if not left[0]:
+                raise OSError("peer went away")
+            left[0] -= 1
+            return await serve(digest, index)
+
+        dask_worker.handlers["pcm_template_chunk"] = flaky
+
+    client.run(die_after_three, workers=[holder])
+    path, report = client.run(
+        _fetch, manifest.to_json(), str(tmp_path / "copy"), [holder], str(root), workers=[joiner]
+    )[joiner]
+    assert report["failed_peers"] == [holder]
+    assert report["chunks_from_peers"] == 3
+    assert report["chunks_from_source"] == manifest.nchunks - 3
+    _same_files(manifest, root, Path(path))
+
+
+def test_no_peer_and_no_source_is_a_clear_error(inproc_cluster, template, tmp_path):
+    _, client = inproc_cluster
+    manifest, _ = template
+    _, joiner = _workers(client)
+    with pytest.raises(ChunkError, match="could not be fetched from any peer"):
+        client.run(_fetch, manifest.to_json(), str(tmp_path / "copy"), [], None, workers=[joiner])
+    assert not list(tmp_path.glob(".copy*"))  # the partial copy was removed
+
+
+def test_source_reads_go_through_the_shared_bandwidth(template, tmp_path):
+    import asyncio
+    import time
+    import uuid
+    from types import SimpleNamespace
+
+    manifest, root = template
+    link = SharedBandwidth(manifest.total_bytes / 0.5, name=f"t-{uuid.uuid4().hex}")  # ~0.5 s
+    fake_worker = SimpleNamespace(address="tcp://nowhere:1")
+    start = time.perf_counter()
+    path, report = asyncio.run(
+        fetch_template(fake_worker, manifest, tmp_path / "copy", [], root, bandwidth=link)
+    )
+    assert time.perf_counter() - start >= 0.45
+    assert report.bytes_from_source == manifest.total_bytes
+    _same_files(manifest, root, path)
+    shutil.rmtree(path)
