@@ -78,7 +78,7 @@ def register(
     client.register_plugin(ContextScheduler())
     for ctx in contexts:
         chosen = config.check_level(ctx.level or level or config.default_level())
-        plugin = ContextPlugin(ctx, chosen)
+        plugin = ContextPlugin(ctx, chosen, _manifest_json(ctx, chosen))
         if not reload and _already_registered(client, plugin):
             logger.info("Context %r already registered; reusing it", ctx.name)
             continue
@@ -111,6 +111,31 @@ def register(
     # The workers' "ready" reports travel on their own streams: let them land.
     client.run_on_scheduler(_settled, names, list(results), 5.0)
     return status(client, names)
+
+
+def _manifest_json(ctx: Context, level: str) -> str | None:
+    """The template's chunk manifest for peer-to-peer transfer, where it applies.
+
+    Only for levels full and partial and a template that is a local path (directory or
+    ``.gguf``) or ``"embedded"``, hashed here once (cached; see :mod:`dask_pcm.chunks`).
+    Hub ids and custom templates are read by each worker as before.
+    """
+    import os
+
+    template = ctx.template
+    if level == "agnostic" or not config.get("template.peer-to-peer", True):
+        return None
+    if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
+        return None
+    from dask_pcm.chunks import build_manifest
+    from dask_pcm.exceptions import PCMError
+
+    try:
+        manifest, _ = build_manifest(template)
+    except PCMError as exc:
+        logger.info("No peer-to-peer template for %r: %s", ctx.name, exc)
+        return None
+    return manifest.to_json()
 
 
 def _declare(name: str, level: str, dask_scheduler: Any = None) -> None:

@@ -68,3 +68,17 @@ def context_memory_limit() -> int | None:
     if value is None:
         return None
     return int(dask.utils.parse_bytes(value))
+
+
+def source_bandwidth() -> Any:
+    """The simulated shared filesystem, if ``pcm.template.source-bandwidth`` sets one.
+
+    Returns a :class:`~dask_pcm.throttle.SharedBandwidth` of that many bytes per second for
+    every source read of a template on this host, or ``None``.
+    """
+    value = get("template.source-bandwidth")
+    if value is None:
+        return None
+    from dask_pcm.throttle import SharedBandwidth
+
+    return SharedBandwidth(float(dask.utils.parse_bytes(value)), name="template-source")

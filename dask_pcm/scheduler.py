@@ -92,6 +92,11 @@ STATUS_COLUMNS = [
     "template",
     "location",
     "template_bytes",
+    "template_digest",
+    "template_held",
+    "bytes_from_peers",
+    "bytes_from_source",
+    "corrupted_chunks",
     "error",
 ]
 
@@ -117,6 +122,11 @@ class Placement:
     template: str | None = None
     location: str | None = None
     template_bytes: int = 0
+    template_digest: str | None = None
+    template_held: bool = False
+    bytes_from_peers: int = 0
+    bytes_from_source: int = 0
+    corrupted_chunks: int = 0
     error: str | None = None
     tasks: int = 0
     task_errors: int = 0
@@ -151,6 +161,11 @@ class Placement:
             "template": self.template,
             "location": self.location,
             "template_bytes": self.template_bytes,
+            "template_digest": self.template_digest,
+            "template_held": self.template_held,
+            "bytes_from_peers": self.bytes_from_peers,
+            "bytes_from_source": self.bytes_from_source,
+            "corrupted_chunks": self.corrupted_chunks,
             "error": self.error,
         }
 
@@ -183,6 +198,7 @@ class ContextScheduler(SchedulerPlugin):
 
         self.scheduler = scheduler
         scheduler.stream_handlers[STATE_OP] = self._on_state
+        scheduler.handlers["pcm_template_sources"] = self.template_sources
         self._stuck_check = PeriodicCallback(self._fail_stuck, 1000)
         self._stuck_check.start()
         from dask_pcm import dashboard
@@ -192,6 +208,7 @@ class ContextScheduler(SchedulerPlugin):
     async def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stream_handlers.pop(STATE_OP, None)
+            self.scheduler.handlers.pop("pcm_template_sources", None)
             self._stuck_check.stop()
         from dask_pcm import dashboard
 
@@ -297,6 +314,11 @@ class ContextScheduler(SchedulerPlugin):
             "template",
             "location",
             "template_bytes",
+            "template_digest",
+            "template_held",
+            "bytes_from_peers",
+            "bytes_from_source",
+            "corrupted_chunks",
             "error",
         ):
             if attr in info:
@@ -479,6 +501,25 @@ class ContextScheduler(SchedulerPlugin):
                 traceback_text="",
             )
         logger.warning("%d waiting task(s) erred: %s", len(doomed), str(exc).splitlines()[0])
+
+    def template_sources(self, digest: str) -> list[str]:
+        """RPC handler: workers holding the whole template ``digest``, in random order.
+
+        A worker becomes a source the moment its copy is complete, before its context is
+        built, so capacity grows as workers join (the order spreads the requests).
+        """
+        import random
+
+        assert self.scheduler is not None
+        holders = {
+            w
+            for by_worker in self.placements.values()
+            for w, p in by_worker.items()
+            if p.template_held and p.template_digest == digest and w in self.scheduler.workers
+        }
+        order = sorted(holders)
+        random.shuffle(order)
+        return order
 
     # -- reading ---------------------------------------------------------------------------
     def rows(self, contexts: Iterable[str] | None = None) -> list[dict[str, Any]]:

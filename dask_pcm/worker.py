@@ -101,11 +101,13 @@ class ContextPlugin(WorkerPlugin):
 
     idempotent = False
 
-    def __init__(self, context: Context, level: str) -> None:
+    def __init__(self, context: Context, level: str, manifest: str | None = None) -> None:
         # Pickled and shipped to every worker: keep only the small declaration here.
         self.context = context
         self.level = config.check_level(level)
         self.name = plugin_name(context.name)
+        # The template's chunk manifest (JSON) when it can travel peer to peer (see p2p.py).
+        self.manifest = manifest
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self, worker: Worker) -> None:
@@ -126,6 +128,11 @@ class ContextPlugin(WorkerPlugin):
         self.last_used = time.monotonic()
         self.nbytes = 0
         self.template_bytes = 0
+        self.template_digest: str | None = None
+        self.template_held = False
+        self.bytes_from_peers = 0
+        self.bytes_from_source = 0
+        self.corrupted_chunks = 0
         self.device: str | None = None
         self.batch_size: int | None = None
         self._value: Any = None
@@ -211,9 +218,11 @@ class ContextPlugin(WorkerPlugin):
             with host_slot("context-load", concurrency):
                 if self._closed:
                     return
-                if self.level == "partial":
+                if self.manifest is not None and self.level != "agnostic":
+                    self._fetch_template()
+                elif self.level == "partial":
                     self._stage()
-                elif self.level == "full":
+                if self.level == "full":
                     self._make_room(self.nbytes)
                     value = self._build(self.location)
                     nbytes = _size_of(value)
@@ -245,6 +254,69 @@ class ContextPlugin(WorkerPlugin):
             )
         finally:
             self._event.set()
+
+    def _fetch_template(self) -> None:
+        """Get the template into worker-local disk from peers (else the source); serve it."""
+        from dask_pcm.chunks import MANIFEST_NAME, ChunkError, Manifest
+        from dask_pcm.locks import file_lock
+        from dask_pcm.p2p import TemplateStore
+
+        assert self.manifest is not None
+        manifest = Manifest.from_json(self.manifest)
+        base = Path(self._template_dir)
+        base.mkdir(parents=True, exist_ok=True)
+        dest = base / manifest.digest[:16]
+        with file_lock(base / f".{manifest.digest[:16]}.lock"):
+            if not (dest / MANIFEST_NAME).is_file():
+                source, problem = self._source_root()
+                loop = self._worker.loop.asyncio_loop  # type: ignore[attr-defined]
+                future = asyncio.run_coroutine_threadsafe(self._fetch(manifest, dest, source), loop)
+                try:
+                    _, report = future.result()
+                except ChunkError as exc:
+                    raise ChunkError(
+                        f"{exc}; the source: {problem}" if problem else str(exc)
+                    ) from exc
+                with self._lock:
+                    self.bytes_from_peers += report.bytes_from_peers
+                    self.bytes_from_source += report.bytes_from_source
+                    self.corrupted_chunks += report.corrupted
+                logger.info(
+                    "Template of %r fetched on %s: %d bytes from peers, %d from the source, "
+                    "%d corrupted chunk(s) refetched, %.2f s",
+                    self.context.name,
+                    self.worker_address,
+                    report.bytes_from_peers,
+                    report.bytes_from_source,
+                    report.corrupted,
+                    report.seconds,
+                )
+        TemplateStore.of(self._worker).add(dest, manifest)
+        single = manifest.files[0].path if len(manifest.files) == 1 else ""
+        with self._lock:
+            self.template_digest = manifest.digest
+            self.template_held = True
+            self.template_bytes = manifest.total_bytes
+            self.location = str(dest / single) if single.lower().endswith(".gguf") else str(dest)
+        self._notify()
+
+    def _source_root(self) -> tuple[str | None, str | None]:
+        from dask_pcm.sources import resolve_source
+
+        try:
+            resolved = resolve_source(self.context.template)
+        except Exception as exc:
+            return None, _describe(exc)
+        root = resolved.path.parent if resolved.kind == "gguf" else resolved.path
+        return str(root), None
+
+    async def _fetch(self, manifest: Any, dest: Path, source: str | None) -> Any:
+        from dask_pcm.p2p import fetch_template
+
+        peers = await self._worker.scheduler.pcm_template_sources(digest=manifest.digest)
+        return await fetch_template(
+            self._worker, manifest, dest, list(peers or []), source, config.source_bandwidth()
+        )
 
     def _stage(self) -> None:
         from dask_pcm.sources import stage_template
@@ -433,6 +505,11 @@ class ContextPlugin(WorkerPlugin):
                 "template": self.context.template,
                 "location": self.location,
                 "template_bytes": self.template_bytes,
+                "template_digest": self.template_digest,
+                "template_held": self.template_held,
+                "bytes_from_peers": self.bytes_from_peers,
+                "bytes_from_source": self.bytes_from_source,
+                "corrupted_chunks": self.corrupted_chunks,
                 "error": self.error,
             }
 

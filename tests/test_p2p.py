@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import dask
@@ -124,7 +125,6 @@ def test_no_peer_and_no_source_is_a_clear_error(inproc_cluster, template, tmp_pa
 
 def test_source_reads_go_through_the_shared_bandwidth(template, tmp_path):
     import asyncio
-    import time
     import uuid
     from types import SimpleNamespace
 
@@ -139,3 +139,51 @@ def test_source_reads_go_through_the_shared_bandwidth(template, tmp_path):
     assert report.bytes_from_source == manifest.total_bytes
     _same_files(manifest, root, path)
     shutil.rmtree(path)
+
+
+def _logits(prompt: str) -> tuple[str, list[float]]:
+    from distributed import get_worker
+
+    import dask_pcm
+
+    lm = dask_pcm.get_context("tiny")
+    return get_worker().address, lm.next_token_logits([prompt])[0, :50].tolist()
+
+
+def test_workers_get_the_template_from_peers_and_build_the_same_model(
+    inproc_cluster, tiny_model_dir, tmp_path
+):
+    import torch
+
+    import dask_pcm
+    from dask_pcm.llm import CausalLM
+
+    cluster, client = inproc_cluster
+    with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+    total = build_manifest(tiny_model_dir)[0].total_bytes
+    table = dask_pcm.status(client).set_index("worker")
+    # Loads take turns on a host: the first worker reads the source, the second its peer.
+    assert sorted(table["bytes_from_source"]) == [0, total]
+    assert sorted(table["bytes_from_peers"]) == [0, total]
+    assert table["template_held"].all()
+
+    cluster.scale(3)
+    client.wait_for_workers(3, timeout=30)
+    (joiner,) = set(client.scheduler_info()["workers"]) - set(table.index)
+    deadline = time.monotonic() + 60
+    while (row := dask_pcm.status(client).set_index("worker").loc[joiner])["state"] != "ready":
+        assert time.monotonic() < deadline, row["state"]
+        time.sleep(0.1)
+    assert (row["bytes_from_peers"], row["bytes_from_source"]) == (total, 0)
+    assert row["location"] != str(tiny_model_dir)  # built from its own local copy
+
+    prompt = "The claim is supported by the evidence:"
+    expected = CausalLM(device="cpu")(str(tiny_model_dir)).next_token_logits([prompt])[0, :50]
+    results = client.gather(
+        [client.submit(dask_pcm.ContextTask(_logits, "tiny"), prompt, workers=[w], pure=False)
+         for w in client.scheduler_info()["workers"]]
+    )  # fmt: skip
+    assert {w for w, _ in results} == set(client.scheduler_info()["workers"])
+    for _, logits in results:
+        torch.testing.assert_close(torch.tensor(logits), expected, atol=1e-5, rtol=1e-5)

@@ -96,6 +96,13 @@ def _wait_state(client: Client, context: str, worker: str, state: str) -> None:
         time.sleep(0.05)
 
 
+def _wait_task_states(client: Client, futures: list, expected: set[str]) -> None:
+    deadline = time.monotonic() + 20
+    while (now := _task_states(client, futures)) != expected:
+        assert time.monotonic() < deadline, f"tasks stayed {now}, expected {expected}"
+        time.sleep(0.05)
+
+
 def _task_states(client: Client, futures: list) -> set[str]:
     keys = [f.key for f in futures]
 
@@ -212,8 +219,7 @@ def test_tasks_err_with_the_loader_error_when_every_worker_failed(one_worker):
     cluster, client = one_worker
     second = _only_a_loading_worker(cluster, client)
     futures = dask_pcm.map(client, where, range(5), context="gated")
-    time.sleep(0.3)
-    assert _task_states(client, futures) == {"no-worker"}  # waiting for the loading worker
+    _wait_task_states(client, futures, {"no-worker"})  # waiting for the loading worker
     MODE["fail"] = True
     GATE.set()
     for future in futures:
@@ -230,9 +236,10 @@ def test_allow_other_workers_runs_on_a_worker_still_loading(one_worker):
     worker = _only_a_loading_worker(cluster, client)
     strict = dask_pcm.submit(client, where, 1, context="gated")
     loose = dask_pcm.submit(client, where, 2, context="gated", allow_other_workers=True)
-    time.sleep(0.3)
-    assert _task_states(client, [strict]) == {"no-worker"}
-    assert _task_states(client, [loose]) == {"processing"}  # waits on the worker instead
+    _wait_task_states(client, [strict], {"no-worker"})
+    _wait_task_states(client, [loose], {"processing"})  # waits on the worker instead
+    time.sleep(0.2)
+    assert _task_states(client, [strict]) == {"no-worker"}  # and stays there
     GATE.set()
     assert loose.result(timeout=10) == worker
     assert strict.result(timeout=10) == worker
