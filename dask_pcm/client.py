@@ -118,12 +118,14 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
 
     Only for levels full and partial and a template that is a local path (directory or
     ``.gguf``) or ``"embedded"``, hashed here once (cached; see :mod:`dask_pcm.chunks`).
-    Hub ids and custom templates are read by each worker as before.
+    Workers then copy it chunk by chunk into local disk, from peers unless
+    ``pcm.template.peer-to-peer`` is false, and build the context from that copy. Hub ids
+    and custom templates are read by each worker from the source.
     """
     import os
 
     template = ctx.template
-    if level == "agnostic" or not config.get("template.peer-to-peer", True):
+    if level == "agnostic":
         return None
     if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
         return None

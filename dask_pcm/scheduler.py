@@ -97,6 +97,7 @@ STATUS_COLUMNS = [
     "bytes_from_peers",
     "bytes_from_source",
     "corrupted_chunks",
+    "fetch_seconds",
     "error",
 ]
 
@@ -127,6 +128,7 @@ class Placement:
     bytes_from_peers: int = 0
     bytes_from_source: int = 0
     corrupted_chunks: int = 0
+    fetch_seconds: float = 0.0
     error: str | None = None
     tasks: int = 0
     task_errors: int = 0
@@ -166,6 +168,7 @@ class Placement:
             "bytes_from_peers": self.bytes_from_peers,
             "bytes_from_source": self.bytes_from_source,
             "corrupted_chunks": self.corrupted_chunks,
+            "fetch_seconds": round(self.fetch_seconds, 6),
             "error": self.error,
         }
 
@@ -319,6 +322,7 @@ class ContextScheduler(SchedulerPlugin):
             "bytes_from_peers",
             "bytes_from_source",
             "corrupted_chunks",
+            "fetch_seconds",
             "error",
         ):
             if attr in info:

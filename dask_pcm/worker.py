@@ -133,6 +133,7 @@ class ContextPlugin(WorkerPlugin):
         self.bytes_from_peers = 0
         self.bytes_from_source = 0
         self.corrupted_chunks = 0
+        self.fetch_seconds = 0.0
         self.device: str | None = None
         self.batch_size: int | None = None
         self._value: Any = None
@@ -281,6 +282,7 @@ class ContextPlugin(WorkerPlugin):
                     self.bytes_from_peers += report.bytes_from_peers
                     self.bytes_from_source += report.bytes_from_source
                     self.corrupted_chunks += report.corrupted
+                    self.fetch_seconds += report.seconds
                 logger.info(
                     "Template of %r fetched on %s: %d bytes from peers, %d from the source, "
                     "%d corrupted chunk(s) refetched, %.2f s",
@@ -313,9 +315,11 @@ class ContextPlugin(WorkerPlugin):
     async def _fetch(self, manifest: Any, dest: Path, source: str | None) -> Any:
         from dask_pcm.p2p import fetch_template
 
-        peers = await self._worker.scheduler.pcm_template_sources(digest=manifest.digest)
+        peers: list[str] = []
+        if config.get("template.peer-to-peer", True):
+            peers = await self._worker.scheduler.pcm_template_sources(digest=manifest.digest)
         return await fetch_template(
-            self._worker, manifest, dest, list(peers or []), source, config.source_bandwidth()
+            self._worker, manifest, dest, list(peers), source, config.source_bandwidth()
         )
 
     def _stage(self) -> None:
@@ -510,6 +514,7 @@ class ContextPlugin(WorkerPlugin):
                 "bytes_from_peers": self.bytes_from_peers,
                 "bytes_from_source": self.bytes_from_source,
                 "corrupted_chunks": self.corrupted_chunks,
+                "fetch_seconds": round(self.fetch_seconds, 6),
                 "error": self.error,
             }
 
