@@ -44,6 +44,7 @@ class TemplateStore:
     def __init__(self, worker: Worker, max_uploads: int | None = None) -> None:
         self.worker = worker
         self.held: dict[str, tuple[Path, Manifest]] = {}
+        self.partial: dict[str, TemplateWriter] = {}
         limit = max_uploads or int(config.get("template.max-uploads", 4))
         self._uploads = asyncio.Semaphore(limit)
         self.max_uploads = limit
@@ -63,12 +64,23 @@ class TemplateStore:
     def add(self, root: str | Path, manifest: Manifest) -> None:
         """Offer the complete template at ``root`` to peers."""
         self.held[manifest.digest] = (Path(root), manifest)
+        self.partial.pop(manifest.digest, None)
+
+    def add_partial(self, writer: TemplateWriter) -> None:
+        """Offer the chunks a template being assembled already has (its writer's staging)."""
+        self.partial[writer.manifest.digest] = writer
 
     async def serve(self, digest: str, index: int) -> bytes:
         """Comm handler: chunk ``index`` of template ``digest``, read from disk."""
         held = self.held.get(digest)
         if held is None:
-            raise ChunkError(f"template {digest[:12]}... is not held by {self.worker.address}")
+            writer = self.partial.get(digest)
+            if writer is None or index in writer.missing:
+                raise ChunkError(
+                    f"chunk {index} of template {digest[:12]}... is not held by "
+                    f"{self.worker.address}"
+                )
+            held = (writer.staging, writer.manifest)
         root, manifest = held
         async with self._uploads:
             self.active_uploads += 1
@@ -94,6 +106,131 @@ class FetchReport:
     seconds: float = 0.0
 
 
+class _PeerFailed(Exception):
+    """A peer could not be reached or answered with an error."""
+
+
+class _Chunks:
+    """Getting single chunks into a :class:`TemplateWriter`, from a peer or the source."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        writer: TemplateWriter,
+        report: FetchReport,
+        source_root: str | Path | None,
+        bandwidth: SharedBandwidth | None,
+    ) -> None:
+        self.worker = worker
+        self.writer = writer
+        self.manifest = writer.manifest
+        self.report = report
+        self.source_root = source_root
+        self.bandwidth = bandwidth
+
+    async def from_peer(self, peer: str, index: int) -> bool:
+        """Fetch, verify and write chunk ``index`` from ``peer``; False if it was corrupted.
+
+        Raises :class:`_PeerFailed` when the peer cannot be reached or errs.
+        """
+        try:
+            data = await self.worker.rpc(peer).pcm_template_chunk(
+                digest=self.manifest.digest, index=index
+            )
+        except Exception as exc:
+            raise _PeerFailed(f"{peer}: {exc!r}") from exc
+        try:
+            await asyncio.to_thread(self.writer.write, index, data)
+        except ChunkError as exc:
+            self.report.corrupted += 1
+            logger.warning("Discarded a corrupted chunk from %s: %s", peer, exc)
+            return False
+        self.report.bytes_from_peers += len(data)
+        self.report.chunks_from_peers += 1
+        return True
+
+    async def from_source(self, index: int) -> None:
+        if self.source_root is None:
+            raise ChunkError(
+                f"chunk {index} of template {self.manifest.digest[:12]}... could not be "
+                "fetched from any peer and no source was given"
+            )
+        if self.bandwidth is not None:
+            await asyncio.to_thread(self.bandwidth.consume, self.manifest.chunk(index).length)
+        data = await asyncio.to_thread(read_chunk, self.source_root, self.manifest, index)
+        await asyncio.to_thread(self.writer.write, index, data)
+        self.report.bytes_from_source += len(data)
+        self.report.chunks_from_source += 1
+
+
+async def fetch_coordinated(
+    worker: Worker,
+    manifest: Manifest,
+    dest: str | Path,
+    source_root: str | Path | None,
+    bandwidth: SharedBandwidth | None = None,
+    in_flight: int = 4,
+) -> tuple[Path, FetchReport]:
+    """Assemble a template with the scheduler's chunk directory, sharing as chunks arrive.
+
+    In rounds: ask the scheduler plugin for a plan (``pcm_chunk_plan``: peers for every
+    missing chunk someone holds, partial copies included, and a source lease for at most a
+    couple of chunks nobody holds or is reading), get those chunks (``in_flight`` at once),
+    report each one held (``pcm_chunk_have``), and serve the chunks held so far to others.
+    Workers that join together thus split the source between them and exchange the rest,
+    instead of each reading the whole template from it.
+    """
+    report = FetchReport()
+    start = time.perf_counter()
+    writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
+    store = TemplateStore.of(worker)
+    store.add_partial(writer)
+    chunks = _Chunks(worker, writer, report, source_root, bandwidth)
+    gate = asyncio.Semaphore(in_flight)
+    digest, me = manifest.digest, worker.address
+
+    async def get(index: int, peers: list[str]) -> None:
+        async with gate:
+            for peer in peers:
+                try:
+                    if await chunks.from_peer(peer, index):
+                        break
+                except _PeerFailed as exc:
+                    report.failed_peers.append(peer)
+                    logger.warning("Template peer failed (%s); trying others", exc)
+            else:
+                if peers:
+                    return  # nobody delivered: planned again next round
+                try:
+                    await chunks.from_source(index)
+                finally:
+                    if index in writer.missing:
+                        await worker.scheduler.pcm_chunk_have(
+                            digest=digest, worker=me, indexes=[], released=[index]
+                        )
+            await worker.scheduler.pcm_chunk_have(digest=digest, worker=me, indexes=[index])
+
+    try:
+        while writer.missing:
+            plan = await worker.scheduler.pcm_chunk_plan(
+                digest=digest, worker=me, missing=sorted(writer.missing)
+            )
+            work = [get(int(i), list(peers)) for i, peers in plan["peers"].items()]
+            work += [get(int(i), []) for i in plan["source"]]
+            if work:
+                await asyncio.gather(*work)
+            else:
+                await asyncio.sleep(0.05)  # every chunk left is being read by someone else
+        path = await asyncio.to_thread(writer.finish)
+        store.add(path, manifest)
+    except BaseException:
+        store.partial.pop(digest, None)
+        await asyncio.to_thread(writer.abort)
+        raise
+    report.seconds = time.perf_counter() - start
+    return path, report
+
+
 async def fetch_template(
     worker: Worker,
     manifest: Manifest,
@@ -113,55 +250,37 @@ async def fetch_template(
     report = FetchReport()
     start = time.perf_counter()
     writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
+    chunks = _Chunks(worker, writer, report, source_root, bandwidth)
     queue: deque[int] = deque(range(manifest.nchunks))
     live = [p for p in dict.fromkeys(peers) if p != worker.address]
     strikes: dict[str, int] = {}
+
+    def drop(peer: str) -> None:
+        if peer in live:
+            live.remove(peer)
+            report.failed_peers.append(peer)
 
     async def from_peer(peer: str) -> None:
         while queue and peer in live:
             index = queue.popleft()
             try:
-                data = await worker.rpc(peer).pcm_template_chunk(
-                    digest=manifest.digest, index=index
-                )
-            except Exception as exc:  # a dead or confused peer: give its chunk to others
+                if await chunks.from_peer(peer, index):
+                    continue
+            except _PeerFailed as exc:  # a dead or confused peer: give its chunk to others
                 queue.appendleft(index)
-                if peer in live:
-                    live.remove(peer)
-                    report.failed_peers.append(peer)
-                    logger.warning("Template peer %s failed (%r); using others", peer, exc)
+                drop(peer)
+                logger.warning("Template peer failed (%s); using others", exc)
                 return
-            try:
-                await asyncio.to_thread(writer.write, index, data)
-            except ChunkError as exc:
-                report.corrupted += 1
-                queue.append(index)
-                strikes[peer] = strikes.get(peer, 0) + 1
-                logger.warning("Discarded a corrupted chunk from %s: %s", peer, exc)
-                if strikes[peer] >= 3 and peer in live:
-                    live.remove(peer)
-                    report.failed_peers.append(peer)
-                continue
-            report.bytes_from_peers += len(data)
-            report.chunks_from_peers += 1
+            queue.append(index)  # corrupted: fetched again, elsewhere if this peer persists
+            strikes[peer] = strikes.get(peer, 0) + 1
+            if strikes[peer] >= 3:
+                drop(peer)
 
     try:
         if live:
             await asyncio.gather(*(from_peer(p) for _ in range(per_peer) for p in list(live)))
         while queue:
-            if source_root is None:
-                raise ChunkError(
-                    f"{len(queue)} chunk(s) of template {manifest.digest[:12]}... could not be "
-                    "fetched from any peer and no source was given"
-                )
-            index = queue.popleft()
-            length = manifest.chunk(index).length
-            if bandwidth is not None:
-                await asyncio.to_thread(bandwidth.consume, length)
-            data = await asyncio.to_thread(read_chunk, source_root, manifest, index)
-            await asyncio.to_thread(writer.write, index, data)
-            report.bytes_from_source += len(data)
-            report.chunks_from_source += 1
+            await chunks.from_source(queue.popleft())
         path = await asyncio.to_thread(writer.finish)
     except BaseException:
         await asyncio.to_thread(writer.abort)

@@ -72,6 +72,10 @@ _HISTORY = 16
 # A restriction set is never empty (empty means "unrestricted" to the scheduler): this
 # address, which no worker has, keeps it restricting when no worker qualifies.
 _NOBODY = "dask-pcm://no-worker-with-context"
+# Chunks one worker may be reading from a template's source at once, and how long such a
+# lease lasts before another worker may take the chunk.
+_SOURCE_LEASES = 2
+_LEASE_SECONDS = 120.0
 
 # Columns of a status row, in order (dask_pcm.status and /pcm/status.json).
 STATUS_COLUMNS = [
@@ -191,6 +195,10 @@ class ContextScheduler(SchedulerPlugin):
         self._needs: dict[Any, tuple[str, ...]] = {}
         # Context tasks left unrestricted because every worker was ready when they came.
         self._free: dict[Any, tuple[str, ...]] = {}
+        # Chunk directory of templates being copied: who holds which chunk, and which
+        # worker is reading which chunk from the source (a lease, with its expiry).
+        self.chunk_holders: dict[str, dict[int, set[str]]] = {}
+        self.source_leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Load durations observed (for the Prometheus histogram), per context.
         self.load_durations: dict[str, list[float]] = {}
         self.scheduler: Scheduler | None = None
@@ -202,6 +210,8 @@ class ContextScheduler(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.stream_handlers[STATE_OP] = self._on_state
         scheduler.handlers["pcm_template_sources"] = self.template_sources
+        scheduler.handlers["pcm_chunk_plan"] = self.chunk_plan
+        scheduler.handlers["pcm_chunk_have"] = self.chunk_have
         self._stuck_check = PeriodicCallback(self._fail_stuck, 1000)
         self._stuck_check.start()
         from dask_pcm import dashboard
@@ -211,7 +221,8 @@ class ContextScheduler(SchedulerPlugin):
     async def close(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stream_handlers.pop(STATE_OP, None)
-            self.scheduler.handlers.pop("pcm_template_sources", None)
+            for handler in ("pcm_template_sources", "pcm_chunk_plan", "pcm_chunk_have"):
+                self.scheduler.handlers.pop(handler, None)
             self._stuck_check.stop()
         from dask_pcm import dashboard
 
@@ -225,6 +236,12 @@ class ContextScheduler(SchedulerPlugin):
         self._refresh(list(self.levels), stimulus_id=f"pcm-add-worker-{time.time()}")
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        for holders in self.chunk_holders.values():
+            for who in holders.values():
+                who.discard(worker)
+        for leases in self.source_leases.values():
+            for index in [i for i, (w, _) in leases.items() if w == worker]:
+                del leases[index]
         changed = [name for name, by in self.placements.items() if by.pop(worker, None)]
         if changed:
             self._refresh(changed, stimulus_id=f"pcm-remove-worker-{time.time()}")
@@ -524,6 +541,53 @@ class ContextScheduler(SchedulerPlugin):
         order = sorted(holders)
         random.shuffle(order)
         return order
+
+    def chunk_plan(self, digest: str, worker: str, missing: list[int]) -> dict[str, Any]:
+        """RPC handler: where ``worker`` should get each of its ``missing`` chunks now.
+
+        Returns ``{"peers": {index: [workers]}, "source": [indexes]}``: peers (whole copies
+        and partial ones) for every chunk someone holds, in random order; and a source lease
+        for chunks nobody holds or is reading, at most ``_SOURCE_LEASES`` per worker at once,
+        so workers that start together split the source between them. A lease lapses after
+        ``_LEASE_SECONDS`` or when its worker leaves.
+        """
+        import random
+
+        assert self.scheduler is not None
+        now = time.time()
+        whole = set(self.template_sources(digest))
+        holders = self.chunk_holders.setdefault(digest, {})
+        leases = self.source_leases.setdefault(digest, {})
+        for index in [i for i, (_, until) in leases.items() if until < now]:
+            del leases[index]
+        mine = sum(1 for w, _ in leases.values() if w == worker)
+        peers: dict[int, list[str]] = {}
+        source: list[int] = []
+        for index in missing:
+            who = sorted((holders.get(index, set()) | whole) - {worker})
+            if who:
+                random.shuffle(who)
+                peers[index] = who
+            elif index not in leases and mine < _SOURCE_LEASES:
+                leases[index] = (worker, now + _LEASE_SECONDS)
+                source.append(index)
+                mine += 1
+        return {"peers": peers, "source": source}
+
+    def chunk_have(
+        self, digest: str, worker: str, indexes: list[int], released: list[int] | None = None
+    ) -> None:
+        """RPC handler: ``worker`` now holds ``indexes``; its leases on ``released`` end."""
+        if self.scheduler is None or worker not in self.scheduler.workers:
+            return
+        holders = self.chunk_holders.setdefault(digest, {})
+        leases = self.source_leases.setdefault(digest, {})
+        for index in indexes:
+            holders.setdefault(index, set()).add(worker)
+            leases.pop(index, None)
+        for index in released or ():
+            if leases.get(index, ("", 0.0))[0] == worker:
+                del leases[index]
 
     # -- reading ---------------------------------------------------------------------------
     def rows(self, contexts: Iterable[str] | None = None) -> list[dict[str, Any]]:

@@ -313,14 +313,12 @@ class ContextPlugin(WorkerPlugin):
         return str(root), None
 
     async def _fetch(self, manifest: Any, dest: Path, source: str | None) -> Any:
-        from dask_pcm.p2p import fetch_template
+        from dask_pcm.p2p import fetch_coordinated, fetch_template
 
-        peers: list[str] = []
+        bandwidth = config.source_bandwidth()
         if config.get("template.peer-to-peer", True):
-            peers = await self._worker.scheduler.pcm_template_sources(digest=manifest.digest)
-        return await fetch_template(
-            self._worker, manifest, dest, list(peers), source, config.source_bandwidth()
-        )
+            return await fetch_coordinated(self._worker, manifest, dest, source, bandwidth)
+        return await fetch_template(self._worker, manifest, dest, [], source, bandwidth)
 
     def _stage(self) -> None:
         from dask_pcm.sources import stage_template

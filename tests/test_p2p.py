@@ -187,3 +187,35 @@ def test_workers_get_the_template_from_peers_and_build_the_same_model(
     assert {w for w, _ in results} == set(client.scheduler_info()["workers"])
     for _, logits in results:
         torch.testing.assert_close(torch.tensor(logits), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model_dir, tmp_path):
+    from distributed import LocalCluster
+
+    import dask_pcm
+
+    total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes
+    settings = {
+        "pcm.cache-directory": str(tmp_path / "cache"),
+        "pcm.template.chunk-size": "16 KiB",
+        "pcm.template.source-bandwidth": int(total / 1.5),  # one whole read: 1.5 s
+        "pcm.worker.load-concurrency": 2,
+    }
+    with (
+        dask.config.set(settings),
+        LocalCluster(
+            n_workers=0, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        SharedBandwidth(1, name="template-source").reset()
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=30)
+        deadline = time.monotonic() + 60
+        while not (table := dask_pcm.status(client))["state"].eq("ready").all() or len(table) < 2:
+            assert time.monotonic() < deadline, table[["worker", "state"]]
+            time.sleep(0.1)
+    # Every chunk was read from the source once, by one of the two, and copied to the other.
+    assert table["bytes_from_source"].sum() == total
+    assert table["bytes_from_peers"].sum() == total
