@@ -17,6 +17,7 @@ once is bounded by the chunks in flight, never the template's size.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -198,6 +199,11 @@ async def fetch_coordinated(
                 except _PeerFailed as exc:
                     report.failed_peers.append(peer)
                     logger.warning("Template peer failed (%s); trying others", exc)
+                    # So that it is not offered again for this chunk (nor forever, if it was
+                    # the only holder: then the chunk goes back to the source).
+                    await worker.scheduler.pcm_chunk_have(
+                        digest=digest, worker=peer, indexes=[], lost=[index]
+                    )
             else:
                 if peers:
                     return  # nobody delivered: planned again next round
@@ -225,7 +231,10 @@ async def fetch_coordinated(
         store.add(path, manifest)
     except BaseException:
         store.partial.pop(digest, None)
+        held = sorted(set(range(manifest.nchunks)) - writer.missing)
         await asyncio.to_thread(writer.abort)
+        with contextlib.suppress(Exception):
+            await worker.scheduler.pcm_chunk_have(digest=digest, worker=me, indexes=[], lost=held)
         raise
     report.seconds = time.perf_counter() - start
     return path, report

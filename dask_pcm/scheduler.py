@@ -575,13 +575,21 @@ class ContextScheduler(SchedulerPlugin):
         return {"peers": peers, "source": source}
 
     def chunk_have(
-        self, digest: str, worker: str, indexes: list[int], released: list[int] | None = None
+        self,
+        digest: str,
+        worker: str,
+        indexes: list[int],
+        released: list[int] | None = None,
+        lost: list[int] | None = None,
     ) -> None:
-        """RPC handler: ``worker`` now holds ``indexes``; its leases on ``released`` end."""
+        """RPC handler: ``worker`` now holds ``indexes``; its leases on ``released`` end;
+        it no longer offers ``lost`` (it failed to serve them, or gave up its copy)."""
         if self.scheduler is None or worker not in self.scheduler.workers:
             return
         holders = self.chunk_holders.setdefault(digest, {})
         leases = self.source_leases.setdefault(digest, {})
+        for index in lost or ():
+            holders.get(index, set()).discard(worker)
         for index in indexes:
             holders.setdefault(index, set()).add(worker)
             leases.pop(index, None)

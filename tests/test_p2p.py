@@ -219,3 +219,22 @@ def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model
     # Every chunk was read from the source once, by one of the two, and copied to the other.
     assert table["bytes_from_source"].sum() == total
     assert table["bytes_from_peers"].sum() == total
+
+
+def test_chunk_directory_leases_the_source_and_forgets_lost_holders():
+    from types import SimpleNamespace
+
+    from dask_pcm.scheduler import ContextScheduler
+
+    plugin = ContextScheduler()
+    plugin.scheduler = SimpleNamespace(workers=dict.fromkeys("abc"))  # type: ignore[assignment]
+    everything = [0, 1, 2, 3, 4]
+    assert plugin.chunk_plan("d", "a", everything) == {"peers": {}, "source": [0, 1]}
+    assert plugin.chunk_plan("d", "b", everything) == {"peers": {}, "source": [2, 3]}
+    plugin.chunk_have("d", "a", [0])  # a's lease on 0 ends; 0 is now held by a
+    assert plugin.chunk_plan("d", "c", everything) == {"peers": {0: ["a"]}, "source": [4]}
+    plugin.chunk_have("d", "a", [], lost=[0])  # a could not serve 0 after all
+    assert plugin.chunk_plan("d", "c", [0]) == {"peers": {}, "source": [0]}
+    plugin.remove_worker(None, "b")  # b's leases on 2 and 3 lapse with it
+    assert plugin.chunk_plan("a", "a", [9])["source"] == [9]  # another template: own leases
+    assert plugin.chunk_plan("d", "a", [2, 3]) == {"peers": {}, "source": [2]}  # a holds 1
