@@ -154,11 +154,18 @@ class ContextPlugin(WorkerPlugin):
             self._version += 1
         self._event.set()
         self._send_snapshot()
-        if value is not None:
-            # Freeing a model (and collecting its cycles) takes a fraction of a second: keep
-            # it off the event loop like the load.
-            await asyncio.to_thread(self._release, value, True)
-            logger.info("Released context %r on %s", self.context.name, self.worker_address)
+        if value is None:
+            return
+        if worker.status.name in ("closing", "closed", "closing_gracefully", "failed"):
+            # The worker is shutting down: free the model in the background instead of
+            # holding up Worker.close, which tears plugins down before it stops heartbeating
+            # (a slow teardown meant heartbeats to a scheduler already gone, logged as errors).
+            threading.Thread(target=self._release, args=(value, True), daemon=True).start()
+            return
+        # Freeing a model (and collecting its cycles) takes a fraction of a second: keep it
+        # off the event loop like the load.
+        await asyncio.to_thread(self._release, value, True)
+        logger.info("Released context %r on %s", self.context.name, self.worker_address)
 
     # -- reporting to the scheduler --------------------------------------------------------
     def _notify(self) -> None:
