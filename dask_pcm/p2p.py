@@ -23,7 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from distributed.protocol import to_serialize
 
 from dask_pcm import config
 from dask_pcm.chunks import ChunkError, Manifest, TemplateWriter, read_chunk
@@ -71,7 +73,7 @@ class TemplateStore:
         """Offer the chunks a template being assembled already has (its writer's staging)."""
         self.partial[writer.manifest.digest] = writer
 
-    async def serve(self, digest: str, index: int) -> bytes:
+    async def serve(self, digest: str, index: int) -> Any:
         """Comm handler: chunk ``index`` of template ``digest``, read from disk."""
         held = self.held.get(digest)
         if held is None:
@@ -91,7 +93,9 @@ class TemplateStore:
             finally:
                 self.active_uploads -= 1
         self.bytes_served += len(data)
-        return data
+        # As its own frame: the comm sends the buffer as it is instead of packing a copy of
+        # it into the message.
+        return to_serialize(data)
 
 
 @dataclass
@@ -140,6 +144,7 @@ class _Chunks:
             )
         except Exception as exc:
             raise _PeerFailed(f"{peer}: {exc!r}") from exc
+        data = getattr(data, "data", data)  # in-process comms hand over the wrapper itself
         try:
             await asyncio.to_thread(self.writer.write, index, data)
         except ChunkError as exc:

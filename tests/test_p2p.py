@@ -69,7 +69,7 @@ def test_corrupted_chunks_are_discarded_and_fetched_again(inproc_cluster, templa
         serve, left = store.serve, [2]
 
         async def bad(digest, index):
-            data = await serve(digest, index)
+            data = (await serve(digest, index)).data  # served as a Serialize wrapper
             if left[0]:
                 left[0] -= 1
                 return bytes([data[0] ^ 0xFF]) + data[1:]
