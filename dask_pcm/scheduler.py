@@ -149,32 +149,20 @@ class Placement:
         del self.history[:-_HISTORY]
 
     def row(self, now: float) -> dict[str, Any]:
+        """The status row: :data:`STATUS_COLUMNS`, in order."""
         return {
-            "worker": self.worker,
-            "context": self.context,
-            "state": self.state,
-            "level": self.level,
-            "state_seconds": round(now - self.since, 3),
-            "loads": self.loads,
-            "load_seconds": round(self.load_seconds, 6),
-            "last_load_seconds": round(self.last_load_seconds, 6),
-            "tasks": self.tasks,
-            "task_errors": self.task_errors,
-            "evictions": self.evictions,
-            "nbytes": self.nbytes,
-            "device": self.device,
-            "batch_size": self.batch_size,
-            "template": self.template,
-            "location": self.location,
-            "template_bytes": self.template_bytes,
-            "template_digest": self.template_digest,
-            "template_held": self.template_held,
-            "bytes_from_peers": self.bytes_from_peers,
-            "bytes_from_source": self.bytes_from_source,
-            "corrupted_chunks": self.corrupted_chunks,
-            "fetch_seconds": round(self.fetch_seconds, 6),
-            "error": self.error,
+            c: round(now - self.since, 3) if c == "state_seconds" else getattr(self, c)
+            for c in STATUS_COLUMNS
         }
+
+
+# What a worker's snapshot sets on its Placement: every status column but those the
+# scheduler keeps itself (identity, state and its age, tasks counted from transitions).
+_REPORTED = tuple(
+    c
+    for c in STATUS_COLUMNS
+    if c not in ("worker", "context", "state", "level", "state_seconds", "tasks", "task_errors")
+)
 
 
 class ContextScheduler(SchedulerPlugin):
@@ -248,6 +236,7 @@ class ContextScheduler(SchedulerPlugin):
 
     def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
         seen: set[tuple[str, ...]] = set()
+        all_ready: dict[tuple[str, ...], bool] = {}  # once per combination, not per task
         for key in tasks:
             ts = scheduler.tasks.get(key)
             func = getattr(getattr(ts, "run_spec", None), "func", None)
@@ -258,7 +247,9 @@ class ContextScheduler(SchedulerPlugin):
             seen.add(names)
             if ts.worker_restrictions or ts.host_restrictions:
                 continue  # the user chose workers explicitly
-            if self._all_ready(names):
+            if names not in all_ready:
+                all_ready[names] = self._all_ready(names)
+            if all_ready[names]:
                 # The steady state: no restriction needed, so Dask places (and queues) these
                 # exactly like plain tasks. Restricted the moment a worker is not ready.
                 self._free[key] = names
@@ -323,25 +314,7 @@ class ContextScheduler(SchedulerPlugin):
             return
         placement.seq = seq
         loads_before = placement.loads
-        for attr in (
-            "loads",
-            "load_seconds",
-            "last_load_seconds",
-            "evictions",
-            "nbytes",
-            "device",
-            "batch_size",
-            "template",
-            "location",
-            "template_bytes",
-            "template_digest",
-            "template_held",
-            "bytes_from_peers",
-            "bytes_from_source",
-            "corrupted_chunks",
-            "fetch_seconds",
-            "error",
-        ):
+        for attr in _REPORTED:
             if attr in info:
                 setattr(placement, attr, info[attr])
         if placement.loads > loads_before and placement.level == "full":
