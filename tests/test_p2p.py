@@ -35,6 +35,27 @@ async def _fetch(manifest_json, dest, peers, source, dask_worker=None):
     return str(path), report.__dict__
 
 
+def _holder_and_joiner(client: Client, manifest: Manifest, root: Path, wrap=None):
+    """The first worker holds the template (its handler wrapped by ``wrap(serve)``)."""
+    holder, joiner = _workers(client)
+    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
+    if wrap is not None:
+
+        def install(dask_worker=None):
+            handler = wrap(TemplateStore.of(dask_worker).serve)
+            dask_worker.handlers["pcm_template_chunk"] = handler
+
+        client.run(install, workers=[holder])
+    return holder, joiner
+
+
+def _fetch_on(client: Client, joiner: str, manifest: Manifest, dest, peers, source):
+    path, report = client.run(
+        _fetch, manifest.to_json(), str(dest), peers, source, workers=[joiner]
+    )[joiner]
+    return Path(path), report
+
+
 def _workers(client: Client) -> list[str]:
     return sorted(client.scheduler_info()["workers"])
 
@@ -47,26 +68,19 @@ def _same_files(manifest: Manifest, a: Path, b: Path) -> None:
 def test_a_joiner_gets_the_template_from_a_peer(inproc_cluster, template, tmp_path):
     _, client = inproc_cluster
     manifest, root = template
-    holder, joiner = _workers(client)
-    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
-    dest = tmp_path / "joiner-copy"
-    path, report = client.run(
-        _fetch, manifest.to_json(), str(dest), [holder], None, workers=[joiner]
-    )[joiner]
+    holder, joiner = _holder_and_joiner(client, manifest, root)
+    path, report = _fetch_on(client, joiner, manifest, tmp_path / "joiner-copy", [holder], None)
     assert report["bytes_from_peers"] == manifest.total_bytes
     assert report["bytes_from_source"] == 0
-    _same_files(manifest, root, Path(path))
+    _same_files(manifest, root, path)
 
 
 def test_corrupted_chunks_are_discarded_and_fetched_again(inproc_cluster, template, tmp_path):
     _, client = inproc_cluster
     manifest, root = template
-    holder, joiner = _workers(client)
-    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
 
-    def corrupt_first_two(dask_worker=None):
-        store = TemplateStore.of(dask_worker)
-        serve, left = store.serve, [2]
+    def corrupt_first_two(serve):
+        left = [2]
 
         async def bad(digest, index):
             data = (await serve(digest, index)).data  # served as a Serialize wrapper
@@ -75,26 +89,21 @@ def test_corrupted_chunks_are_discarded_and_fetched_again(inproc_cluster, templa
                 return bytes([data[0] ^ 0xFF]) + data[1:]
             return data
 
-        dask_worker.handlers["pcm_template_chunk"] = bad
+        return bad
 
-    client.run(corrupt_first_two, workers=[holder])
-    path, report = client.run(
-        _fetch, manifest.to_json(), str(tmp_path / "copy"), [holder], None, workers=[joiner]
-    )[joiner]
+    holder, joiner = _holder_and_joiner(client, manifest, root, corrupt_first_two)
+    path, report = _fetch_on(client, joiner, manifest, tmp_path / "copy", [holder], None)
     assert report["corrupted"] == 2
     assert report["bytes_from_peers"] == manifest.total_bytes
-    _same_files(manifest, root, Path(path))
+    _same_files(manifest, root, path)
 
 
 def test_a_failing_peer_is_dropped_and_the_source_finishes(inproc_cluster, template, tmp_path):
     _, client = inproc_cluster
     manifest, root = template
-    holder, joiner = _workers(client)
-    client.run(_hold, manifest.to_json(), str(root), workers=[holder])
 
-    def die_after_three(dask_worker=None):
-        store = TemplateStore.of(dask_worker)
-        serve, left = store.serve, [3]
+    def die_after_three(serve):
+        left = [3]
 
         async def flaky(digest, index):
             if not left[0]:
@@ -102,16 +111,14 @@ def test_a_failing_peer_is_dropped_and_the_source_finishes(inproc_cluster, templ
             left[0] -= 1
             return await serve(digest, index)
 
-        dask_worker.handlers["pcm_template_chunk"] = flaky
+        return flaky
 
-    client.run(die_after_three, workers=[holder])
-    path, report = client.run(
-        _fetch, manifest.to_json(), str(tmp_path / "copy"), [holder], str(root), workers=[joiner]
-    )[joiner]
+    holder, joiner = _holder_and_joiner(client, manifest, root, die_after_three)
+    path, report = _fetch_on(client, joiner, manifest, tmp_path / "copy", [holder], str(root))
     assert report["failed_peers"] == [holder]
     assert report["chunks_from_peers"] == 3
     assert report["chunks_from_source"] == manifest.nchunks - 3
-    _same_files(manifest, root, Path(path))
+    _same_files(manifest, root, path)
 
 
 def test_no_peer_and_no_source_is_a_clear_error(inproc_cluster, template, tmp_path):
@@ -119,7 +126,7 @@ def test_no_peer_and_no_source_is_a_clear_error(inproc_cluster, template, tmp_pa
     manifest, _ = template
     _, joiner = _workers(client)
     with pytest.raises(ChunkError, match="could not be fetched from any peer"):
-        client.run(_fetch, manifest.to_json(), str(tmp_path / "copy"), [], None, workers=[joiner])
+        _fetch_on(client, joiner, manifest, tmp_path / "copy", [], None)
     assert not list(tmp_path.glob(".copy*"))  # the partial copy was removed
 
 

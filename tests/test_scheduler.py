@@ -112,13 +112,19 @@ def _task_states(client: Client, futures: list) -> set[str]:
     return client.run_on_scheduler(states)
 
 
-def _only_a_loading_worker(cluster: LocalCluster, client: Client) -> str:
-    """Register on one worker, add a second that blocks loading, retire the first."""
+def _ready_then_join(cluster: LocalCluster, client: Client, mode: str) -> tuple[str, str]:
+    """Register "gated" on the one worker, then add a second whose load blocks or fails."""
     dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
     (first,) = _workers(client)
-    MODE["block"] = True
+    MODE[mode] = True
     second = _add_worker(cluster, client)
-    _wait_state(client, "gated", second, "loading")
+    _wait_state(client, "gated", second, {"block": "loading", "fail": "failed"}[mode])
+    return first, second
+
+
+def _only_a_loading_worker(cluster: LocalCluster, client: Client) -> str:
+    """Register on one worker, add a second that blocks loading, retire the first."""
+    first, second = _ready_then_join(cluster, client, "block")
     client.retire_workers([first], close_workers=True)
     deadline = time.monotonic() + 20
     while first in _workers(client):
@@ -129,11 +135,7 @@ def _only_a_loading_worker(cluster: LocalCluster, client: Client) -> str:
 
 def test_tasks_go_to_the_ready_worker_until_the_other_is_ready(one_worker):
     cluster, client = one_worker
-    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
-    (first,) = _workers(client)
-    MODE["block"] = True
-    second = _add_worker(cluster, client)
-    _wait_state(client, "gated", second, "loading")
+    first, second = _ready_then_join(cluster, client, "block")
 
     early = dask_pcm.map(client, where, range(20), context="gated", delay=0.02)
     assert set(client.gather(early)) == {first}
@@ -164,11 +166,7 @@ def test_work_queued_while_all_were_ready_stays_off_a_worker_that_joins(one_work
 
 def test_a_failed_worker_gets_no_context_task_but_plain_tasks(one_worker):
     cluster, client = one_worker
-    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
-    (good,) = _workers(client)
-    MODE["fail"] = True
-    bad = _add_worker(cluster, client)
-    _wait_state(client, "gated", bad, "failed")
+    good, bad = _ready_then_join(cluster, client, "fail")
 
     ran_on = client.gather(dask_pcm.map(client, where, range(30), context="gated", delay=0.02))
     assert set(ran_on) == {good}
@@ -188,11 +186,7 @@ def two_loads_at_once() -> Iterator[None]:
 
 def test_stolen_tasks_land_only_on_ready_workers(one_worker, two_loads_at_once):
     cluster, client = one_worker
-    dask_pcm.register(client, dask_pcm.Context("gated", GatedLoader(), template="m"))
-    (first,) = _workers(client)
-    MODE["block"] = True
-    second = _add_worker(cluster, client)
-    _wait_state(client, "gated", second, "loading")
+    first, second = _ready_then_join(cluster, client, "block")
     MODE["fail"] = True
     third = _add_worker(cluster, client)
     _wait_state(client, "gated", third, "failed")
