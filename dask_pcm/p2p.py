@@ -115,6 +115,27 @@ class _PeerFailed(Exception):
     """A peer could not be reached or answered with an error."""
 
 
+async def _ask_peer(worker: Worker, peer: str, digest: str, index: int) -> Any:
+    """One chunk from ``peer``, connecting within ``pcm.template.peer-connect-timeout``.
+
+    distributed retries a refused connection for ``distributed.comm.timeouts.connect``
+    (30 s by default): far too long to find out that a peer was preempted when the
+    source or other peers could serve the chunk now.
+    """
+    from dask.utils import parse_timedelta
+    from distributed.core import send_recv
+
+    timeout = parse_timedelta(config.get("template.peer-connect-timeout", "5s"))
+    comm = await worker.rpc.connect(peer, timeout=timeout)
+    try:
+        data = await send_recv(comm, op=HANDLER, digest=digest, index=index)
+    except BaseException:
+        comm.abort()
+        raise
+    worker.rpc.reuse(peer, comm)
+    return data
+
+
 class _Chunks:
     """Getting single chunks into a :class:`TemplateWriter`, from a peer or the source."""
 
@@ -139,9 +160,7 @@ class _Chunks:
         Raises :class:`_PeerFailed` when the peer cannot be reached or errs.
         """
         try:
-            data = await self.worker.rpc(peer).pcm_template_chunk(
-                digest=self.manifest.digest, index=index
-            )
+            data = await _ask_peer(self.worker, peer, self.manifest.digest, index)
         except Exception as exc:
             raise _PeerFailed(f"{peer}: {exc!r}") from exc
         data = getattr(data, "data", data)  # in-process comms hand over the wrapper itself
@@ -198,14 +217,21 @@ async def fetch_coordinated(
     async def get(index: int, peers: list[str]) -> None:
         async with gate:
             for peer in peers:
+                if peer in report.failed_peers:
+                    # Failed once in this fetch (preempted, most likely): not asked again.
+                    # The scheduler stops offering it for this chunk, and forgets it
+                    # altogether once it notices the worker is gone.
+                    await worker.scheduler.pcm_chunk_have(
+                        digest=digest, worker=peer, indexes=[], lost=[index]
+                    )
+                    continue
                 try:
                     if await chunks.from_peer(peer, index):
                         break
                 except _PeerFailed as exc:
-                    report.failed_peers.append(peer)
-                    logger.warning("Template peer failed (%s); trying others", exc)
-                    # So that it is not offered again for this chunk (nor forever, if it was
-                    # the only holder: then the chunk goes back to the source).
+                    if peer not in report.failed_peers:
+                        report.failed_peers.append(peer)
+                        logger.warning("%s: template peer failed (%s); using others", me, exc)
                     await worker.scheduler.pcm_chunk_have(
                         digest=digest, worker=peer, indexes=[], lost=[index]
                     )

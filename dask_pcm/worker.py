@@ -256,6 +256,14 @@ class ContextPlugin(WorkerPlugin):
             if self.level == "full":
                 self._make_room(0)
         except BaseException as exc:
+            if self._closed:  # the worker is closing: the load was cut short, not broken
+                logger.info(
+                    "Load of context %r on %s abandoned at close (%s)",
+                    self.context.name,
+                    self.worker_address,
+                    _describe(exc),
+                )
+                return
             self._set_state(FAILED, _describe(exc))
             logger.error(
                 "Context %r failed on %s: %s", self.context.name, self.worker_address, self.error

@@ -245,3 +245,73 @@ def test_chunk_directory_leases_the_source_and_forgets_lost_holders():
     plugin.remove_worker(None, "b")  # b's leases on 2 and 3 lapse with it
     assert plugin.chunk_plan("a", "a", [9])["source"] == [9]  # another template: own leases
     assert plugin.chunk_plan("d", "a", [2, 3]) == {"peers": {}, "source": [2]}  # a holds 1
+
+
+def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_dir, tmp_path):
+    """SIGKILL the only holder while a joiner copies from it: the joiner still gets ready."""
+    import os
+    import signal
+
+    import torch
+    from distributed import LocalCluster
+
+    import dask_pcm
+    from dask_pcm.llm import CausalLM
+
+    marker = tmp_path / "serving"
+    total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes
+    settings = {
+        "pcm.cache-directory": str(tmp_path / "cache"),
+        "pcm.template.chunk-size": "16 KiB",
+    }
+
+    def slow_uploads(dask_worker=None):
+        serve = TemplateStore.of(dask_worker).serve
+
+        async def slow(digest, index):
+            import asyncio
+
+            await asyncio.sleep(0.2)  # ~20 chunks/s: the copy takes seconds, not milliseconds
+            data = await serve(digest, index)
+            with open(marker, "a") as served:
+                served.write(f"{index}\n")
+            return data
+
+        dask_worker.handlers["pcm_template_chunk"] = slow
+        return os.getpid()
+
+    with (
+        dask.config.set(settings),
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        (holder,) = _workers(client)
+        pid = client.run(slow_uploads, workers=[holder])[holder]
+
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=60)
+        (joiner,) = set(_workers(client)) - {holder}
+        deadline = time.monotonic() + 60
+        while not marker.exists() or len(marker.read_text().split()) < 4:
+            assert time.monotonic() < deadline, "the joiner never got chunks from the holder"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)  # the nanny restarts it under a new address
+
+        deadline = time.monotonic() + 90
+        while (row := dask_pcm.status(client).set_index("worker").loc[joiner])["state"] != "ready":
+            assert row["state"] != "failed", row["error"]
+            assert time.monotonic() < deadline, row["state"]
+            time.sleep(0.1)
+        assert 0 < row["bytes_from_peers"] < total  # part came from the killed holder...
+        assert row["bytes_from_peers"] + row["bytes_from_source"] >= total  # ...the rest elsewhere
+        assert holder not in dask_pcm.status(client)["worker"].tolist()
+
+        prompt = "The claim is supported by the evidence:"
+        expected = CausalLM(device="cpu")(str(tiny_model_dir)).next_token_logits([prompt])
+        future = client.submit(
+            dask_pcm.ContextTask(_logits, "tiny"), prompt, workers=[joiner], pure=False
+        )
+        where, logits = future.result(timeout=60)
+        assert where == joiner
+        torch.testing.assert_close(torch.tensor(logits), expected[0, :50], atol=1e-5, rtol=1e-5)
