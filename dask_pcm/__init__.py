@@ -19,6 +19,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
+from dask_pcm.batch import batch_cluster
 from dask_pcm.client import map, register, registered_contexts, status, submit, unregister
 from dask_pcm.cluster import Nanny, local_cluster
 from dask_pcm.context import Context, causal_lm
@@ -54,6 +55,7 @@ __all__ = [
     "Nanny",
     "PCMError",
     "__version__",
+    "batch_cluster",
     "build_tiny_llama",
     "causal_lm",
     "embedded_model_dir",

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from dask_pcm import config
 from dask_pcm.context import Context
 from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.preemption import GracefulPreemption
 from dask_pcm.scheduler import STATUS_COLUMNS, ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
@@ -76,6 +77,8 @@ def register(
             raise TypeError(f"register() takes Context objects, got {ctx!r}")
     # The scheduler plugin first: worker plugins report to it from their first moment.
     client.register_plugin(ContextScheduler())
+    # Workers retire gracefully on a batch system's preemption warning (SIGUSR2).
+    client.register_plugin(GracefulPreemption())
     for ctx in contexts:
         chosen = config.check_level(ctx.level or level or config.default_level())
         plugin = ContextPlugin(ctx, chosen, _manifest_json(ctx, chosen))

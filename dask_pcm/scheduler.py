@@ -200,6 +200,7 @@ class ContextScheduler(SchedulerPlugin):
         scheduler.handlers["pcm_template_sources"] = self.template_sources
         scheduler.handlers["pcm_chunk_plan"] = self.chunk_plan
         scheduler.handlers["pcm_chunk_have"] = self.chunk_have
+        scheduler.handlers["pcm_keep_workers"] = self.keep_workers
         self._stuck_check = PeriodicCallback(self._fail_stuck, 1000)
         self._stuck_check.start()
         from dask_pcm import dashboard
@@ -569,6 +570,29 @@ class ContextScheduler(SchedulerPlugin):
         for index in released or ():
             if leases.get(index, ("", 0.0))[0] == worker:
                 del leases[index]
+
+    # -- adaptive scaling ----------------------------------------------------------------
+    def keep_workers(self, names: list[Any]) -> list[Any]:
+        """RPC handler: of the workers named ``names`` (to be retired), those to keep.
+
+        For every context that unfinished context tasks wait for, if every worker with that
+        context ready is about to go, one of them stays: retiring them all would make the
+        waiting tasks wait for a new worker's load (or forever, with no worker left).
+        """
+        assert self.scheduler is not None
+        by_name = {ws.name: addr for addr, ws in self.scheduler.workers.items()}
+        leaving = {by_name[n] for n in names if n in by_name}
+        waiting: set[str] = set()
+        for key, needs in self._needs.items():
+            ts = self.scheduler.tasks.get(key)
+            if ts is not None and ts.state not in ("memory", "erred", "forgotten"):
+                waiting.update(needs)
+        keep: set[str] = set()
+        for name in sorted(waiting):
+            ready = {w for w, p in self.placements.get(name, {}).items() if p.state == READY}
+            if ready and ready <= leaving and not ready & keep:
+                keep.add(min(ready))
+        return [self.scheduler.workers[addr].name for addr in sorted(keep)]
 
     # -- reading ---------------------------------------------------------------------------
     def rows(self, contexts: Iterable[str] | None = None) -> list[dict[str, Any]]:

@@ -1,0 +1,336 @@
+"""Workers from batch systems: Grid Engine and HTCondor through dask-jobqueue.
+
+:func:`batch_cluster` starts a dask-jobqueue cluster whose jobs suit context management on
+shared, opportunistic GPU clusters. Site settings (queue, cores, memory, GPU request, scratch
+directory, interface) come from dask-jobqueue's configuration as usual (``jobqueue.sge``,
+``jobqueue.htcondor``; ``jobqueue-templates/`` in the repository has commented examples) or
+from keyword arguments. dask_pcm adds what its workers need:
+
+- a preemption warning: ``qsub -notify`` on Grid Engine, ``kill_sig = SIGUSR2`` with
+  ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
+  so that only the worker process reacts to it, by retiring gracefully
+  (:mod:`dask_pcm.preemption`);
+- ``--lifetime`` and ``--lifetime-stagger`` from the walltime when one is set and the worker
+  arguments name no lifetime: workers retire before the batch system kills them;
+- adaptive scaling (:class:`ContextAdaptive`) that never retires every worker holding a ready
+  context while context tasks wait for it;
+- a watchdog that notices jobs which left the queue while their worker is not connected
+  (deleted, preempted, or dead before their worker ever connected, dask-jobqueue #643) and
+  submits replacements, so that ``scale(n)`` keeps ``n`` workers, not ``n`` job records.
+
+Workers that join later build the registered contexts themselves, their templates copied
+from peers that hold them (see :mod:`dask_pcm.p2p`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import logging
+import re
+import subprocess
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+import dask_jobqueue
+from dask.utils import parse_timedelta
+from distributed.deploy.adaptive import Adaptive
+from tornado.ioloop import PeriodicCallback
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("sge", "htcondor")
+PREEMPTION_TRAP = "trap '' USR2"
+
+
+class ContextAdaptive(Adaptive):
+    """:class:`distributed.deploy.Adaptive` that keeps a ready context while tasks wait.
+
+    Of the workers distributed would retire, it keeps one holding a context when all the
+    workers with that context ready would go and context tasks still wait for it
+    (the scheduler plugin decides: ``pcm_keep_workers``).
+    """
+
+    async def workers_to_close(self, target: int) -> list[str]:
+        names = await super().workers_to_close(target)
+        if not names:
+            return names
+        try:
+            keep = set(await self.scheduler.pcm_keep_workers(names=list(names)))
+        except Exception as exc:  # no dask_pcm scheduler plugin: nothing registered yet
+            logger.debug("pcm_keep_workers unavailable (%r); retiring as distributed chose", exc)
+            return names
+        if keep:
+            logger.info("Adaptive scaling keeps %s: the only ready context for waiting tasks", keep)
+        return [n for n in names if n not in keep]
+
+
+class _JobWatch:
+    """Cluster mixin: adaptive scaling by :class:`ContextAdaptive` and the job watchdog."""
+
+    kind: str = ""
+    if TYPE_CHECKING:  # provided by dask_jobqueue.JobQueueCluster
+        loop: Any
+        workers: dict[str, Any]
+        worker_spec: dict[str, Any]
+        scheduler_info: dict[str, Any]
+        scale: Any
+
+    #: Consecutive jobs that left the queue without their worker ever connecting, after
+    #: which no more replacements are submitted (a broken job script would loop forever).
+    max_failed_starts = 5
+
+    def __init__(self, *args: Any, watch_interval: str | float = "10s", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ever_connected: set[str] = set()
+        self.failed_starts = 0
+        self.replaced_jobs = 0
+        interval = parse_timedelta(watch_interval) * 1000
+        self._watch = PeriodicCallback(self._watch_jobs, interval)
+        self.loop.add_callback(self._watch.start)
+
+    def adapt(self, *args: Any, Adaptive: type = ContextAdaptive, **kwargs: Any) -> Any:
+        return super().adapt(*args, Adaptive=Adaptive, **kwargs)  # type: ignore[misc]
+
+    async def _close(self) -> None:
+        self._watch.stop()
+        await super()._close()  # type: ignore[misc]
+
+    # -- the watchdog ----------------------------------------------------------------------
+    def _connected(self) -> set[str]:
+        names = {str(w.get("name")) for w in self.scheduler_info.get("workers", {}).values()}
+        # A job of several processes runs workers named "<job name>-<i>".
+        return {
+            job
+            for job in self.workers
+            if job in names or any(n.startswith(f"{job}-") for n in names)
+        }
+
+    async def _watch_jobs(self) -> None:
+        try:
+            await self.check_jobs()
+        except Exception:  # a watchdog must not die of one bad poll
+            logger.exception("dask_pcm job watchdog failed; trying again next period")
+
+    async def check_jobs(self) -> list[str]:
+        """Replace jobs that left the queue while their worker is not connected.
+
+        Returns the names of the jobs dropped. Runs every ``watch_interval``.
+        """
+        workers = self.workers
+        connected = self._connected()
+        self._ever_connected |= connected
+        if connected:
+            self.failed_starts = 0
+        suspects = {
+            name: job.job_id
+            for name, job in workers.items()
+            if name not in connected and getattr(job, "job_id", None)
+        }
+        if not suspects:
+            return []
+        queued = await asyncio.to_thread(queued_job_ids, self.kind)
+        if queued is None:
+            return []
+        gone = [name for name, job_id in suspects.items() if not _in_queue(job_id, queued)]
+        if not gone:
+            return []
+        jobs_before = len(self.worker_spec)
+        for name in gone:
+            started = name in self._ever_connected
+            self._ever_connected.discard(name)
+            self.worker_spec.pop(name, None)
+            workers.pop(name, None)
+            if not started:
+                self.failed_starts += 1
+            logger.warning(
+                "Batch job %s (%s) left the queue %s; %s",
+                suspects[name],
+                name,
+                "after its worker left" if started else "before its worker ever connected",
+                "submitting a replacement"
+                if self.failed_starts < self.max_failed_starts
+                else "not replacing it",
+            )
+        if self.failed_starts >= self.max_failed_starts:
+            logger.error(
+                "%d batch jobs in a row ended before their worker connected: not submitting "
+                "more. Read the jobs' output (log_directory=%r) and the job script "
+                "(cluster.job_script()).",
+                self.failed_starts,
+                getattr(self, "_job_kwargs", {}).get("log_directory"),
+            )
+            return gone
+        self.replaced_jobs += len(gone)
+        if getattr(self, "_adaptive", None) is None:
+            self.scale(jobs=jobs_before)
+        # Adaptive scaling sees the smaller plan at its next step and asks for more.
+        return gone
+
+
+class SGECluster(_JobWatch, dask_jobqueue.SGECluster):
+    """:class:`dask_jobqueue.SGECluster` with dask_pcm's adaptive scaling and job watchdog."""
+
+    kind = "sge"
+
+
+class HTCondorCluster(_JobWatch, dask_jobqueue.HTCondorCluster):
+    """:class:`dask_jobqueue.HTCondorCluster` with dask_pcm's adaptive scaling and watchdog."""
+
+    kind = "htcondor"
+
+
+def queued_job_ids(kind: str) -> set[str] | None:
+    """Ids of this user's jobs the batch system still lists (pending, running, ending).
+
+    ``None`` when the query fails (the watchdog then waits for the next period rather than
+    replacing jobs it cannot see).
+    """
+    if kind == "sge":
+        cmd = ["qstat", "-u", getpass.getuser()]
+    elif kind == "htcondor":
+        cmd = ["condor_q", "-af", "ClusterId", "ProcId"]
+    else:
+        raise ValueError(f"unknown batch system {kind!r}; one of {KINDS}")
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("Could not list batch jobs with %s: %r", " ".join(cmd), exc)
+        return None
+    return parse_queue(kind, out)
+
+
+def parse_queue(kind: str, text: str) -> set[str]:
+    """Job ids in the output of ``qstat`` (SGE) or ``condor_q -af ClusterId ProcId``."""
+    ids = set()
+    for line in text.splitlines():
+        fields = line.split()
+        if kind == "sge" and fields and fields[0].isdigit():
+            ids.add(fields[0])
+        elif kind == "htcondor" and len(fields) == 2 and all(f.isdigit() for f in fields):
+            ids.add(f"{fields[0]}.{fields[1]}")
+    return ids
+
+
+def _in_queue(job_id: str, queued: set[str]) -> bool:
+    return job_id in queued or job_id.split(".")[0] in queued
+
+
+def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
+    """dask-jobqueue keyword arguments for ``kind``, with what dask_pcm's workers need.
+
+    Keyword arguments win over dask-jobqueue's configuration (``jobqueue.<kind>.*``), which
+    is read here for the lists that dask_pcm extends rather than replaces.
+    """
+    kind = _check_kind(kind)
+
+    def setting(key: str) -> Any:
+        if key in kwargs:
+            return kwargs[key]
+        return dask.config.get(f"jobqueue.{kind}.{key.replace('_', '-')}", None)
+
+    out = dict(kwargs)
+    prologue = list(setting("job_script_prologue") or [])
+    if PREEMPTION_TRAP not in prologue:
+        prologue.insert(0, PREEMPTION_TRAP)
+    out["job_script_prologue"] = prologue
+
+    extra = setting("job_extra_directives")
+    if kind == "sge":
+        directives = list(extra or [])
+        if not any(d.strip() == "-notify" for d in directives):
+            directives.append("-notify")
+        out["job_extra_directives"] = directives
+    else:
+        submit = dict(extra or {})
+        submit.setdefault("kill_sig", "SIGUSR2")
+        submit.setdefault("want_graceful_removal", "true")
+        out["job_extra_directives"] = submit
+
+    args = list(setting("worker_extra_args") or [])
+    walltime = setting("walltime")
+    if walltime and not any(a.startswith("--lifetime") for a in args):
+        seconds = walltime_seconds(walltime)
+        # Retire between 80 % and 90 % of the walltime: before the kill, not all at once.
+        args += [
+            "--lifetime",
+            f"{int(seconds * 0.85)}s",
+            "--lifetime-stagger",
+            f"{int(seconds * 0.05)}s",
+        ]
+    out["worker_extra_args"] = args
+    return out
+
+
+def walltime_seconds(walltime: str | int | float) -> float:
+    """``"HH:MM:SS"``, ``"MM:SS"``, seconds, or a Dask time string (``"2h"``) in seconds."""
+    if isinstance(walltime, (int, float)):
+        return float(walltime)
+    text = str(walltime).strip()
+    if re.fullmatch(r"\d+(:\d{1,2}){1,2}", text):
+        seconds = 0.0
+        for part in text.split(":"):
+            seconds = seconds * 60 + int(part)
+        return seconds
+    try:
+        return float(parse_timedelta(text))
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"walltime {walltime!r}: expected HH:MM:SS or a duration such as '2h'"
+        ) from None
+
+
+def _check_kind(kind: str) -> str:
+    kind = str(kind).lower()
+    if kind not in KINDS:
+        raise ValueError(f"unknown batch system {kind!r}: one of {', '.join(KINDS)}")
+    return kind
+
+
+def batch_cluster(
+    kind: str = "sge",
+    *,
+    workers: int | None = None,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    watch_interval: str | float = "10s",
+    **kwargs: Any,
+) -> SGECluster | HTCondorCluster:
+    """Start a Grid Engine or HTCondor cluster for context work (see the module doc).
+
+    Parameters
+    ----------
+    kind : {"sge", "htcondor"}
+    workers : int, optional
+        Keep this many worker jobs (``cluster.scale(workers)``), replacing those that go.
+    minimum, maximum : int, optional
+        Scale adaptively between these (:class:`ContextAdaptive`); wins over ``workers``.
+    watch_interval : str or float
+        How often the watchdog compares the batch queue with the connected workers.
+    **kwargs
+        dask-jobqueue arguments (``cores``, ``memory``, ``queue``, ``walltime``,
+        ``job_extra_directives``, ``local_directory``, ...); defaults from the
+        ``jobqueue.<kind>`` configuration.
+
+    Examples
+    --------
+    >>> cluster = dask_pcm.batch_cluster("sge", minimum=1, maximum=8)   # doctest: +SKIP
+    >>> dask_pcm.run_fever(cluster=cluster, limit=1000)                   # doctest: +SKIP
+    """
+    kind = _check_kind(kind)
+    options = job_options(kind, **kwargs)
+    cls = SGECluster if kind == "sge" else HTCondorCluster
+    try:
+        cluster = cls(watch_interval=watch_interval, **options)
+    except ValueError as exc:
+        if "cores" in str(exc) and "memory" in str(exc):
+            raise ValueError(
+                f"{exc} Set them in the jobqueue.{kind} configuration (see the repository's "
+                f"jobqueue-templates/{kind}.yaml) or pass cores=..., memory=..."
+            ) from exc
+        raise
+    if minimum is not None or maximum is not None:
+        cluster.adapt(minimum=minimum or 0, maximum=maximum if maximum is not None else minimum)
+    elif workers:
+        cluster.scale(workers)
+    return cluster

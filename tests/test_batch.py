@@ -1,0 +1,207 @@
+"""Batch-system clusters without a batch system: job scripts, HTCondor submit descriptions
+checked by HTCondor's own parser, the job watchdog, adaptive scaling's keep rule, and the
+graceful retirement of a worker warned of its preemption by a signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import dask
+import pytest
+from distributed import Client
+from distributed.utils import sync
+
+import dask_pcm
+from dask_pcm import batch
+from dask_pcm.batch import batch_cluster, job_options, parse_queue, walltime_seconds
+
+
+def _script(kind: str, **kwargs) -> str:
+    cls = batch.SGECluster if kind == "sge" else batch.HTCondorCluster
+    with cls(
+        watch_interval="1h",
+        scheduler_options={"dashboard_address": ":0"},
+        **job_options(kind, **kwargs),
+    ) as cluster:
+        return cluster.job_script()
+
+
+def test_sge_jobs_are_warned_before_preemption_and_retire_before_their_walltime():
+    script = _script(
+        "sge", cores=1, memory="4GB", walltime="01:00:00",
+        job_extra_directives=["-l gpu=1"], job_script_prologue=["module load cuda"],
+    )  # fmt: skip
+    lines = script.splitlines()
+    assert "#$ -l gpu=1" in lines and "#$ -notify" in lines  # the site's and dask_pcm's
+    worker = next(i for i, line in enumerate(lines) if "distributed.cli.dask_worker" in line)
+    # The job shell and the nanny ignore the warning; the worker process handles it.
+    assert lines.index("trap '' USR2") < lines.index("module load cuda") < worker
+    assert "--lifetime 3060s --lifetime-stagger 180s" in lines[worker]  # 85 % +- 5 % of 1 h
+
+
+def test_configured_lifetime_and_directives_are_kept():
+    settings = {
+        "jobqueue.sge.job-extra-directives": ["-notify", "-l h_vmem=8G"],
+        "jobqueue.sge.worker-extra-args": ["--lifetime", "20m"],
+        "jobqueue.sge.walltime": "00:30:00",
+    }
+    with dask.config.set(settings):
+        options = job_options("sge", cores=1, memory="1GB")
+    assert options["job_extra_directives"] == ["-notify", "-l h_vmem=8G"]  # no second -notify
+    assert options["worker_extra_args"] == ["--lifetime", "20m"]
+    with pytest.raises(ValueError, match="unknown batch system 'slurm'"):
+        job_options("slurm")
+    with pytest.raises(ValueError, match="walltime 'soon'"):
+        job_options("sge", walltime="soon")
+    assert walltime_seconds("1:30:00") == walltime_seconds("90m") == 5400
+
+
+def test_batch_cluster_without_cores_or_memory_names_the_template(monkeypatch):
+    monkeypatch.setitem(dask.config.config["jobqueue"]["sge"], "cores", None)
+    monkeypatch.setitem(dask.config.config["jobqueue"]["sge"], "memory", None)
+    with pytest.raises(ValueError, match=r"jobqueue-templates/sge.yaml"):
+        batch_cluster("sge")
+
+
+def test_htcondor_submit_description_passes_htcondors_parser(monkeypatch):
+    monkeypatch.setenv("CONDOR_CONFIG", "/dev/null")
+    htcondor2 = pytest.importorskip("htcondor2", reason="pip install htcondor (the test extra)")
+    script = _script(
+        "htcondor", cores=1, memory="8GB", disk="10GB",
+        job_extra_directives={"request_gpus": "1"}, job_script_prologue=["export A=1"],
+    )  # fmt: skip
+    description = "\n".join(line for line in script.splitlines() if not line.startswith("#!"))
+    submit = htcondor2.Submit(description)
+    assert submit["request_gpus"] == "1"
+    assert submit["kill_sig"] == "SIGUSR2"
+    assert submit["want_graceful_removal"] == "true"
+    # HTCondor's quoting ('' inside '...') gives the shell: trap '' USR2; export A=1; ...
+    assert "-c 'trap '''' USR2; export A=1; " in submit["Arguments"]
+    with pytest.raises(ValueError):
+        htcondor2.Submit("request_gpus 1\nqueue")  # the parser is real: no "=" is an error
+
+
+def test_queue_listings_are_parsed():
+    qstat = """job-ID  prior   name       user  state submit/start at     queue  slots ja-task-ID
+-----------------------------------------------------------------------------------------
+     17 0.55500 dask-worke root  r     11/30/2026 01:02:03 all.q@host  1
+     18 0.00000 dask-worke root  qw    11/30/2026 01:02:04             1
+"""
+    assert parse_queue("sge", qstat) == {"17", "18"}
+    assert parse_queue("htcondor", "42 0\n43 0\n") == {"42.0", "43.0"}
+    assert parse_queue("sge", "") == set()
+
+
+class _FakeSGEJob(batch.dask_jobqueue.sge.SGEJob):
+    """An SGE job that is never submitted: qsub and qdel are not called."""
+
+    submitted: list[str] = []
+
+    async def _submit_job(self, script_filename: str) -> str:
+        job_id = str(1000 + len(self.submitted))
+        self.submitted.append(job_id)
+        return f'Your job {job_id} ("dask-worker") has been submitted'
+
+    @classmethod
+    def _close_job(cls, job_id: str, cancel_command: str) -> None:
+        pass
+
+
+def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(monkeypatch):
+    queue: set[str] = set()
+    monkeypatch.setattr(batch, "queued_job_ids", lambda kind: set(queue))
+    _FakeSGEJob.submitted = []
+    with batch.SGECluster(
+        job_cls=_FakeSGEJob, watch_interval="1h", cores=1, memory="1GB",
+        scheduler_options={"dashboard_address": ":0"},
+    ) as cluster:  # fmt: skip
+        cluster.scale(2)
+        deadline = time.monotonic() + 30
+        while len(_FakeSGEJob.submitted) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        queue.update(_FakeSGEJob.submitted)
+        assert sync(cluster.loop, cluster.check_jobs) == []  # queued: nothing to do
+
+        queue.discard(_FakeSGEJob.submitted[0])  # died before its worker connected
+        gone = sync(cluster.loop, cluster.check_jobs)
+        assert len(gone) == 1 and cluster.failed_starts == 1
+        while len(_FakeSGEJob.submitted) < 3:  # a replacement keeps scale(2)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert len(cluster.worker_spec) == 2
+
+        queue.clear()  # every job dies at start, again and again: stop after five in a row
+        for _ in range(10):
+            sync(cluster.loop, cluster.check_jobs)
+            time.sleep(0.2)
+        assert cluster.failed_starts >= cluster.max_failed_starts
+        assert len(_FakeSGEJob.submitted) <= 2 + cluster.max_failed_starts
+
+
+def test_adaptive_keeps_the_last_ready_worker_of_a_context_tasks_wait_for():
+    from dask_pcm.scheduler import ContextScheduler, Placement
+    from dask_pcm.worker import LOADING, READY
+
+    plugin = ContextScheduler()
+    workers = {
+        a: SimpleNamespace(name=n)
+        for a, n in [("tcp://a", "wa"), ("tcp://b", "wb"), ("tcp://c", "wc")]
+    }
+    tasks = {"t1": SimpleNamespace(state="processing"), "t2": SimpleNamespace(state="memory")}
+    plugin.scheduler = SimpleNamespace(workers=workers, tasks=tasks)  # type: ignore[assignment]
+    plugin.placements = {
+        "llm": {
+            "tcp://a": Placement("tcp://a", "llm", "full", state=READY),
+            "tcp://b": Placement("tcp://b", "llm", "full", state=READY),
+            "tcp://c": Placement("tcp://c", "llm", "full", state=LOADING),
+        }
+    }
+    plugin._needs = {"t1": ("llm",), "t2": ("llm",)}
+    assert plugin.keep_workers(["wa", "wb", "wc"]) == ["wa"]  # one ready worker stays
+    assert plugin.keep_workers(["wa", "wc"]) == []  # b stays anyway
+    tasks["t1"].state = "memory"
+    assert plugin.keep_workers(["wa", "wb"]) == []  # nothing waits: all may go
+
+
+def _runs(path: str, x: int) -> int:
+    """Counts its runs in a file, then takes a while."""
+    with open(path, "a") as f:
+        f.write(f"{x}\n")
+    time.sleep(0.5)
+    return x * x
+
+
+def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_path: Path):
+    log = tmp_path / "runs"
+    with (
+        dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}),
+        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        victim, other = sorted(client.scheduler_info()["workers"])
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        # Results held on the victim, and tasks queued there, before the warning.
+        held = [client.submit(_runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
+        client.gather(held)
+        queued = [
+            client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
+            for i in range(10, 20)
+        ]  # fmt: skip
+        time.sleep(0.7)  # the victim is running one of them
+        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 60
+        while victim in client.scheduler_info()["workers"]:
+            assert time.monotonic() < deadline, "the warned worker did not leave"
+            time.sleep(0.1)
+        assert client.gather(held) == [0, 1]  # moved to the other worker, not recomputed
+        assert client.gather(queued) == [i * i for i in range(10, 20)]
+        assert client.who_has(held)[held[0].key] == (other,)
+    runs = [int(x) for x in log.read_text().split()]
+    # Every task ran exactly once: the one running at the warning finished there.
+    assert sorted(runs) == [0, 1, *range(10, 20)]
