@@ -23,6 +23,9 @@ Measured, per level, within the window only:
 - ``loads``, ``load_s``: model builds in the window and the seconds they took, summed over
   every worker process that ran, from ``dask_pcm.status`` (read just before each kill, since
   a killed worker's row leaves the table, and at the close).
+- for each preemption, printed below its level: seconds from the kill until the replacement
+  process had its context ready (at ``partial``: its template copied; read once a second) and
+  until it delivered its first result.
 
 The ratio printed last is claims(full) / claims(partial): how much more inference the resident
 context delivers under the same preemptions.
@@ -84,33 +87,52 @@ def _identity(dask_worker=None) -> tuple[str, int]:
     return str(dask_worker.name), os.getpid()
 
 
-class _Loads:
-    """Model builds per worker process, kept after the process is gone.
+class _Watch:
+    """What happened to every worker process, read from ``dask_pcm.status`` now and then.
 
-    ``dask_pcm.status`` drops a worker's row when the worker leaves, and a restarted worker
-    comes back under a new address: remember the last row seen for every address.
+    A killed worker's row leaves the status table and its replacement comes back under a new
+    address, so the last row seen for every address is kept: its name, model builds and load
+    seconds, and when (seconds into the window) it was first seen and its context first ready.
     """
 
     def __init__(self, client: Client) -> None:
         self.client = client
-        self.last: dict[str, tuple[int, float]] = {}
-        self.read()
+        self.name: dict[str, str] = {}
+        self.loads: dict[str, tuple[int, float]] = {}
+        self.seen: dict[str, float] = {}
+        self.ready: dict[str, float] = {}
+        self.read(0.0)
         self.base = self.totals()
 
-    def read(self) -> None:
+    def read(self, t: float) -> None:
         table = dask_pcm.status(self.client, [h.CONTEXT])
+        if not set(table["worker"]) <= self.name.keys():
+            workers = self.client.scheduler_info()["workers"]
+            self.name.update({a: str(w["name"]) for a, w in workers.items()})
         for row in table.itertuples():
-            self.last[row.worker] = (int(row.loads), float(row.load_seconds))
+            self.loads[row.worker] = (int(row.loads), float(row.load_seconds))
+            self.seen.setdefault(row.worker, t)
+            if row.state == "ready":
+                self.ready.setdefault(row.worker, t)
 
     def totals(self) -> tuple[int, float]:
         return (
-            sum(n for n, _ in self.last.values()),
-            sum(s for _, s in self.last.values()),
+            sum(n for n, _ in self.loads.values()),
+            sum(s for _, s in self.loads.values()),
         )
 
     def since_start(self) -> tuple[int, float]:
         loads, seconds = self.totals()
         return loads - self.base[0], seconds - self.base[1]
+
+    def replacement(self, kill: dict) -> str | None:
+        """The address of the process that replaced the one ``kill`` killed, if it joined."""
+        later = [
+            (t, a)
+            for a, t in self.seen.items()
+            if self.name.get(a) == kill["worker"] and t > kill["t"]
+        ]
+        return min(later)[1] if later else None
 
 
 def preempt(client: Client, victim: str) -> dict | None:
@@ -141,29 +163,36 @@ def run_level(
         dask_pcm.register(
             client, dask_pcm.causal_lm(model, name=h.CONTEXT, device="cpu"), level=level
         )
-        loads = _Loads(client)
+        watch = _Watch(client)
         pending: dict[Future, int] = {}
         predictions: dict[int, list[int]] = {}
+        done_at: list[tuple[float, str | None]] = []  # (seconds into the window, worker)
         errors: list[str] = []
         kills: list[dict] = []
         submitted = tasks = claims = 0
         start = time.perf_counter()
         deadline = start + window
         next_kill = start + period
+        next_read = start + 1.0
         while True:
             for future in [f for f in pending if f.status in FINISHED]:
+                t = time.perf_counter() - start
                 i = pending.pop(future)
                 if future.status == "error":
                     errors.append(repr(future.exception()))
                     continue
+                where = client.who_has([future]).get(future.key) or [None]
                 predictions[i] = future.result()
+                done_at.append((round(t, 2), where[0]))
                 tasks += 1
                 claims += len(work[i])
             now = time.perf_counter()
             if now >= deadline:
                 break
+            if now >= next_read or now >= next_kill:
+                watch.read(now - start)  # just before a kill too: the victim's row goes
+                next_read = now + 1.0
             if now >= next_kill:
-                loads.read()  # a killed worker's row leaves the status table
                 kill = preempt(client, names[len(kills) % len(names)])
                 if kill is not None:
                     kills.append({"t": round(time.perf_counter() - start, 2), **kill})
@@ -177,8 +206,17 @@ def run_level(
                 pending[future] = i
             time.sleep(0.05)
         client.cancel(list(pending))
-        loads.read()
-    n_loads, load_seconds = loads.since_start()
+        watch.read(window)
+    n_loads, load_seconds = watch.since_start()
+    for kill in kills:
+        # How long the preemption kept that worker out: until its replacement's context was
+        # ready (at partial: its template copied) and until it delivered its first result.
+        new = watch.replacement(kill)
+        first = min((t for t, w in done_at if w is not None and w == new), default=None)
+        kill["ready_after_s"] = (
+            round(watch.ready[new] - kill["t"], 2) if new in watch.ready else None
+        )
+        kill["result_after_s"] = round(first - kill["t"], 2) if first is not None else None
     return {
         "level": level,
         "window_s": window,
@@ -193,9 +231,14 @@ def run_level(
         "load_seconds": load_seconds,
         "tasks_submitted": submitted,
         "kills": kills,
+        "done_at": [t for t, _ in done_at],
         "load_average": os.getloadavg()[0],
         "predictions": predictions,
     }
+
+
+def _seconds(value: float | None) -> str:
+    return "-- (not in the window)" if value is None else f"{value:.1f} s"
 
 
 def main() -> None:
@@ -225,10 +268,16 @@ def main() -> None:
             row = rows[-1]
             print(
                 f"  {level}: {row['claims_done']} claims in {row['tasks_done']} tasks, "
-                f"{row['preemptions']} preemptions at {[k['t'] for k in row['kills']]} s, "
                 f"load average {row['load_average']:.2f}",
                 flush=True,
             )
+            for k in row["kills"]:
+                print(
+                    f"    worker {k['worker']} killed at {k['t']:.1f} s; its replacement ready "
+                    f"after {_seconds(k['ready_after_s'])}, first result after "
+                    f"{_seconds(k['result_after_s'])}",
+                    flush=True,
+                )
     # A benchmark of wrong answers is worthless: a batch must get the same predictions at both
     # levels, however often its task was killed and run again.
     full, partial = (row.pop("predictions") for row in rows)

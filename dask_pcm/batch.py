@@ -75,6 +75,7 @@ class _JobWatch:
         worker_spec: dict[str, Any]
         scheduler_info: dict[str, Any]
         scale: Any
+        _correct_state: Any
 
     #: Consecutive jobs that left the queue without their worker ever connecting, after
     #: which no more replacements are submitted (a broken job script would loop forever).
@@ -127,13 +128,12 @@ class _JobWatch:
             for name, job in workers.items()
             if name not in connected and getattr(job, "job_id", None)
         }
-        if not suspects:
-            return []
-        queued = await asyncio.to_thread(queued_job_ids, self.kind)
+        queued = await asyncio.to_thread(queued_job_ids, self.kind) if suspects else set()
         if queued is None:
             return []
         gone = [name for name, job_id in suspects.items() if not _in_queue(job_id, queued)]
         if not gone:
+            await self._reopen_lost()
             return []
         jobs_before = len(self.worker_spec)
         for name in gone:
@@ -166,6 +166,23 @@ class _JobWatch:
             self.scale(jobs=jobs_before)
         # Adaptive scaling sees the smaller plan at its next step and asks for more.
         return gone
+
+    async def _reopen_lost(self) -> None:
+        """Submit jobs for specs whose job distributed dropped as lost.
+
+        A connected worker that leaves for good (its job deleted or preempted) is dropped
+        from ``cluster.workers`` after ``distributed.deploy.lost-worker-timeout``, but its
+        spec stays and nothing reopens it unless something scales: a fixed-size cluster
+        would shrink with every preemption.
+        """
+        if getattr(self, "_adaptive", None) is not None:
+            return  # adaptive scaling reopens them at its next step
+        lost = set(self.worker_spec) - set(self.workers)
+        if not lost:
+            return
+        logger.warning("Submitting %d job(s) for workers that left: %s", len(lost), sorted(lost))
+        self.replaced_jobs += len(lost)
+        await self._correct_state()
 
 
 class SGECluster(_JobWatch, dask_jobqueue.SGECluster):

@@ -1,0 +1,201 @@
+"""On a real Son of Grid Engine (``sudo bash ci/sge/setup.sh`` starts one on this machine):
+a FEVER run while worker jobs are preempted, and a worker warned by ``qdel`` (``-notify``).
+
+Without Grid Engine these tests skip, unless ``PCM_REQUIRE_SGE=1`` (as in CI), where its
+absence is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import dask
+import pytest
+from distributed import Client
+
+import dask_pcm
+from dask_pcm.fever import demo_claims
+from dask_pcm.fever.run import CONTEXT, run_fever
+from dask_pcm.fever.templates import BUILTIN_TEMPLATES
+
+pytestmark = [pytest.mark.sge, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def grid_engine() -> None:
+    problem = None
+    if shutil.which("qstat") is None:
+        problem = "qstat is not on PATH"
+    else:
+        probe = subprocess.run(["qstat"], capture_output=True, text=True, timeout=30)
+        if probe.returncode:
+            problem = f"qstat failed: {probe.stderr.strip()}"
+    if problem:
+        message = f"no Grid Engine here ({problem}); `sudo bash ci/sge/setup.sh` starts one"
+        if os.environ.get("PCM_REQUIRE_SGE"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _sge_cluster(tmp_path: Path, workers: int, **kwargs):
+    cache = dask_pcm.config.cache_directory()
+    return dask_pcm.batch_cluster(
+        "sge",
+        workers=workers,
+        cores=1,
+        memory="4GB",
+        processes=1,
+        interface="lo",
+        log_directory=str(tmp_path / "logs"),
+        local_directory=str(tmp_path / "scratch"),
+        watch_interval="1s",
+        scheduler_options={"dashboard_address": ":0"},
+        # SGE jobs start with a fresh environment: say where the converted model is.
+        job_script_prologue=[f"export DASK_PCM__CACHE_DIRECTORY={cache}"],
+        **kwargs,
+    )
+
+
+def _job_of(cluster, client: Client, address: str) -> str:
+    name = client.scheduler_info()["workers"][address]["name"]
+    return cluster.workers[name].job_id
+
+
+def _wait(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+class Preemptor(threading.Thread):
+    """Preempts a worker job every ``period`` seconds, alternating ``qdel`` (a warned,
+    graceful exit) and SIGKILL of the worker and its nanny (a vanished node); only a worker
+    whose context is ready while another worker's is too, so a peer always holds the
+    template. Records every status row it sees."""
+
+    def __init__(self, cluster, client: Client, period: float, times: int) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.client, self.period, self.times = cluster, client, period, times
+        self.done: list[tuple[str, str]] = []
+        self.rows: dict[str, dict] = {}
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def _ready(self) -> list[str]:
+        table = dask_pcm.status(self.client, [CONTEXT])
+        for row in table.to_dict("records"):
+            self.rows[row["worker"]] = row
+        return sorted(table.loc[table["state"] == "ready", "worker"])
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(self.period) and len(self.done) < self.times:
+                while len(ready := self._ready()) < 2:
+                    if self.stop.wait(0.2):
+                        return
+                victim = ready[len(self.done) % 2]
+                if len(self.done) % 2 == 0:
+                    subprocess.run(["qdel", _job_of(self.cluster, self.client, victim)], check=True)
+                    self.done.append(("qdel", victim))
+                else:
+                    pid = self.client.run(os.getpid, workers=[victim])[victim]
+                    nanny = int(Path(f"/proc/{pid}/stat").read_text().split()[3])
+                    os.kill(pid, signal.SIGKILL)
+                    os.kill(nanny, signal.SIGKILL)
+                    self.done.append(("SIGKILL", victim))
+            while not self.stop.wait(0.5):
+                self._ready()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "2s"}),
+        _sge_cluster(tmp_path, workers=2) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2, timeout=120)
+        first = set(client.scheduler_info()["workers"])
+        dask_pcm.register(client, dask_pcm.causal_lm(name=CONTEXT))  # the embedded SmolLM2
+        preemptor = Preemptor(cluster, client, period=6, times=4)
+        preemptor.start()
+        try:
+            result = run_fever(
+                cluster=client,
+                num_templates=len(BUILTIN_TEMPLATES),
+                batch_size=4,
+                output=tmp_path / "preds.parquet",
+                progress=False,
+            )
+        finally:
+            preemptor.stop.set()
+            preemptor.join(30)
+        assert preemptor.error is None, preemptor.error
+        assert len(preemptor.done) >= 3, f"the run ended after {preemptor.done}"
+        replaced = cluster.replaced_jobs
+
+    expected = len(demo_claims()) * len(BUILTIN_TEMPLATES)
+    pred = result.predictions
+    assert len(pred) == expected  # every (claim, template) present...
+    assert not pred.duplicated(["claim_id", "template"]).any()  # ...exactly once
+    assert replaced >= len(preemptor.done)  # every preempted job was replaced
+    joiners = [
+        row
+        for worker, row in preemptor.rows.items()
+        if worker not in first and row["template_held"]
+    ]
+    assert joiners, "no replacement got as far as holding the template"
+    for row in joiners:  # a peer always held it: none read the source
+        assert row["bytes_from_source"] == 0, row
+        assert row["bytes_from_peers"] == row["template_bytes"], row
+
+
+def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_dir):
+    log = tmp_path / "runs"
+
+    def _runs(path: str, x: int) -> int:  # local: shipped by value (jobs cannot import tests)
+        with open(path, "a") as f:
+            f.write(f"{x}\n")
+        time.sleep(0.5)
+        return x * x
+
+    with _sge_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        victim, other = sorted(client.scheduler_info()["workers"])
+        held = [client.submit(_runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
+        client.gather(held)
+        queued = [
+            client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
+            for i in range(10, 20)
+        ]  # fmt: skip
+        time.sleep(0.7)
+        job = _job_of(cluster, client, victim)
+        start = time.monotonic()
+        subprocess.run(["qdel", job], check=True)
+        _wait(
+            lambda: victim not in client.scheduler_info()["workers"], 60, "the warned worker to go"
+        )
+        # It left on the warning, well before Grid Engine's kill (the queue's notify time).
+        notify = subprocess.run(
+            ["qconf", "-sq", "all.q"], capture_output=True, text=True, check=True
+        ).stdout
+        notify_s = next(
+            sum(int(p) * 60**i for i, p in enumerate(reversed(line.split()[1].split(":"))))
+            for line in notify.splitlines()
+            if line.startswith("notify")
+        )
+        assert time.monotonic() - start < notify_s
+        assert client.gather(held) == [0, 1]
+        assert client.gather(queued) == [i * i for i in range(10, 20)]
+        assert client.who_has(held)[held[0].key] == (other,)
+    assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]
