@@ -342,7 +342,7 @@ def batch_cluster(
     except ValueError as exc:
         if "cores" in str(exc) and "memory" in str(exc):
             raise ValueError(
-                f"{exc} Set them in the jobqueue.{kind} configuration (see the repository's "
+                f"{exc}\nSet them in the jobqueue.{kind} configuration (see the repository's "
                 f"jobqueue-templates/{kind}.yaml) or pass cores=..., memory=..."
             ) from exc
         raise

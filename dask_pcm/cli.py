@@ -130,7 +130,18 @@ def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
     help="Malformed FEVER lines.",
 )
 @click.option(
-    "--workers", type=int, default=None, help="Local worker processes (default: one per core)."
+    "--cluster",
+    type=click.Choice(["local", "sge", "htcondor"]),
+    default="local",
+    show_default=True,
+    help="Where workers run: local processes, or Grid Engine / HTCondor jobs "
+    "(dask-jobqueue configuration: jobqueue.sge / jobqueue.htcondor).",
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Local worker processes (default: one per core), or the most worker jobs (default 4).",
 )
 def fever(json_path: str | None, **options: Any) -> None:
     """Rank prompt templates for an LLM as a FEVER fact checker.

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+from distributed.scheduler import KilledWorker
 
 import dask_pcm
 from dask_pcm.fever import LABELS
-from dask_pcm.fever.run import CONTEXT, run_fever
+from dask_pcm.fever.run import CONTEXT, run_fever, score_unit
 
 
 @pytest.fixture
@@ -86,5 +89,41 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
     assert "generated" in result.predictions.columns
     with pytest.raises(ValueError, match="unknown scoring method"):
         run_fever(cluster=client, method="vote")
-    with pytest.raises(ValueError, match="batch-system"):
-        run_fever(model=tiny_model_dir, cluster="sge", num_templates=1)
+    with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor'"):
+        run_fever(model=tiny_model_dir, cluster="slurm", num_templates=1)
+
+
+LOST: dict[str, int] = {}  # tries per unit, shared with the in-process workers
+GONE = SimpleNamespace(address="tcp://10.0.0.1:1")  # the last worker that "died"
+
+
+def _unlucky(template, claims, method):
+    """The first two tries of every unit lose their workers, then it is scored."""
+    LOST[claims[0].id] = LOST.get(claims[0].id, 0) + 1
+    if LOST[claims[0].id] <= 2:
+        raise KilledWorker(f"fever-{claims[0].id}", GONE, 3)
+    return score_unit(template, claims, method)  # the real one, from dask_pcm.fever.run
+
+
+def _hopeless(template, claims, method):
+    raise KilledWorker("fever-x", GONE, 3)
+
+
+def test_units_lost_with_their_workers_are_submitted_again(client, tiny_model_dir, monkeypatch):
+    """A unit whose workers were preempted allowed-failures times over (KilledWorker) runs
+    again, twice at most; other errors end the run."""
+    import dask_pcm.fever.run as run_module
+
+    LOST.clear()
+    monkeypatch.setattr(run_module, "score_unit", _unlucky)
+    result = run_fever(
+        model=tiny_model_dir, cluster=client, num_templates=1, batch_size=10, progress=False
+    )
+    assert len(result.predictions) == 30
+    assert sorted(LOST.values()) == [3, 3, 3]
+
+    monkeypatch.setattr(run_module, "score_unit", _hopeless)
+    with pytest.raises(KilledWorker):
+        run_fever(
+            model=tiny_model_dir, cluster=client, num_templates=1, batch_size=30, progress=False
+        )

@@ -199,3 +199,37 @@ def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_di
         assert client.gather(queued) == [i * i for i in range(10, 20)]
         assert client.who_has(held)[held[0].key] == (other,)
     assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]
+
+
+def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
+    """``dask-pcm fever --cluster sge``: worker jobs from dask-jobqueue's configuration."""
+    import json
+
+    env = dict(
+        os.environ,
+        DASK_JOBQUEUE__SGE__CORES="1",
+        DASK_JOBQUEUE__SGE__MEMORY="2GB",
+        DASK_JOBQUEUE__SGE__INTERFACE="lo",
+        DASK_JOBQUEUE__SGE__LOG_DIRECTORY=str(tmp_path / "logs"),
+    )
+    out = tmp_path / "run.json"
+    cmd = [
+        "dask-pcm",
+        "fever",
+        "--cluster",
+        "sge",
+        "--workers",
+        "2",
+        "--model",
+        str(tiny_model_dir),
+    ]
+    cmd += ["--num-templates", "2", "--batch-size", "10", "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())["report"]
+    assert report["units"] == {"total": 6, "computed": 6, "reused": 0}
+    assert 1 <= len(report["workers"]) <= 2
+    assert sum(w["tasks"] for w in report["workers"]) == 6
+    # The run deleted its jobs when it ended (they may still be leaving: state "dr").
+    jobs = subprocess.run(["qstat"], capture_output=True, text=True).stdout.splitlines()[2:]
+    assert all("d" in line.split()[4] for line in jobs), jobs

@@ -90,6 +90,10 @@ def score_unit(
     ]
 
 
+#: Most worker jobs of a batch cluster that run_fever starts itself (``workers`` unset).
+BATCH_WORKERS = 4
+
+
 def run_fever(
     data: str | os.PathLike[str] | None = None,
     model: str | os.PathLike[str] | None = None,
@@ -119,9 +123,12 @@ def run_fever(
         Built-in names (list or ``"a,b"``), template strings with ``{claim}``, a template
         file, or ``PromptTemplate`` objects; default all built-ins.
     cluster : optional
-        ``None``: a local cluster sized to the machine, closed at the end. A
-        ``distributed.Client`` or a cluster object: used as it is, and the model context
-        stays registered afterwards so that the next run reuses the resident model
+        ``None`` or ``"local"``: a local cluster sized to the machine, closed at the end.
+        ``"sge"`` or ``"htcondor"``: worker jobs on that batch system
+        (:func:`dask_pcm.batch_cluster`, scaled adaptively between 1 and ``workers``
+        jobs, default 4; job settings from dask-jobqueue's configuration), closed at the
+        end. A ``distributed.Client`` or a cluster object: used as it is, and the model
+        context stays registered afterwards so that the next run reuses the resident model
         (``dask_pcm.unregister(client, "fever-llm")`` frees it).
     level : {"full", "partial", "agnostic"}
     batch_size : int
@@ -137,7 +144,8 @@ def run_fever(
     num_templates : int, optional
         Keep the first N templates.
     workers : int, optional
-        Worker processes of the local cluster (``cluster=None`` only).
+        Worker processes of the local cluster, or the most worker jobs of a batch cluster
+        (``cluster`` given as a string only).
     progress : bool
         Show a progress bar over units.
 
@@ -241,15 +249,19 @@ def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
 def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
     from distributed import Client
 
-    if cluster is None:
+    if cluster is None or cluster == "local":
         return Client(dask_pcm.local_cluster(n_workers=workers)), True
     if isinstance(cluster, Client):
         return cluster, False
     if isinstance(cluster, str):
-        raise ValueError(
-            f"cluster={cluster!r}: batch-system clusters are not available yet; start one with "
-            "dask-jobqueue and pass it (or its Client)"
-        )
+        from dask_pcm.batch import KINDS, batch_cluster
+
+        if cluster.lower() not in KINDS:
+            raise ValueError(f"cluster={cluster!r}: one of 'local', {', '.join(map(repr, KINDS))}")
+        # Worker jobs come and go as the units need them; the site's job settings come
+        # from dask-jobqueue's configuration (jobqueue.sge / jobqueue.htcondor).
+        maximum = workers or BATCH_WORKERS
+        return Client(batch_cluster(cluster, minimum=1, maximum=maximum)), True
     if hasattr(cluster, "scheduler_address"):
         return Client(cluster), False
     raise TypeError(f"cluster must be None, a distributed.Client or a cluster, got {cluster!r}")
@@ -264,9 +276,10 @@ def _compute(
     client: Client, todo: list[_Unit], method: str, store: _Store | None, progress: bool
 ) -> list[dict[str, Any]]:
     from distributed import as_completed
+    from distributed.scheduler import KilledWorker
 
-    futures = {
-        dask_pcm.submit(
+    def submit(i: int, u: _Unit) -> Any:
+        return dask_pcm.submit(
             client,
             score_unit,
             u.template,
@@ -276,14 +289,32 @@ def _compute(
             key=f"fever-{u.name}-{os.urandom(4).hex()}",
             priority=-i,
             pure=False,
-        ): u
-        for i, u in enumerate(todo)
-    }
+        )
+
+    futures = {submit(i, u): (i, u) for i, u in enumerate(todo)}
+    resubmitted: dict[str, int] = {}
     bar = _progress_bar(len(todo), progress)
     rows: list[dict[str, Any]] = []
     try:
-        for future, result in as_completed(futures, with_results=True):
-            unit = futures[future]
+        queue = as_completed(futures, with_results=True, raise_errors=False)
+        for future, result in queue:
+            i, unit = futures.pop(future)
+            if future.status == "error":
+                result = future.exception()
+                # Workers preempted while running the same unit, distributed's
+                # allowed-failures times over: on an opportunistic cluster that is bad
+                # luck more often than a unit that kills workers, so try it again a few
+                # times before giving up.
+                if isinstance(result, KilledWorker) and resubmitted.get(unit.name, 0) < 2:
+                    resubmitted[unit.name] = resubmitted.get(unit.name, 0) + 1
+                    logger.warning(
+                        "Unit %s lost with its workers (%s); submitting it again", unit.name, result
+                    )
+                    again = submit(i, unit)
+                    futures[again] = (i, unit)
+                    queue.add(again)
+                    continue
+                raise result
             if store:
                 store.write(unit.name, result)
             else:
