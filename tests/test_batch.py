@@ -205,3 +205,40 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
     runs = [int(x) for x in log.read_text().split()]
     # Every task ran exactly once: the one running at the warning finished there.
     assert sorted(runs) == [0, 1, *range(10, 20)]
+
+
+TEMPLATES = Path(__file__).parents[1] / "jobqueue-templates"
+
+
+@pytest.mark.parametrize("kind", ["sge", "htcondor"])
+def test_jobqueue_templates_give_gpu_jobs_with_a_preemption_warning(kind, monkeypatch):
+    """The commented templates in jobqueue-templates/ are valid dask config and give jobs
+    that request a GPU, keep the template cache on local scratch and warn before a kill."""
+    import yaml
+
+    config = yaml.safe_load((TEMPLATES / f"{kind}.yaml").read_text())
+    assert config["distributed"]["nanny"]["pre-spawn-environ"] == {"MALLOC_TRIM_THRESHOLD_": None}
+    flat = {f"jobqueue.{kind}.{key}": value for key, value in config["jobqueue"][kind].items()}
+    with dask.config.set(flat):
+        script = _script(kind)
+    assert "export DASK_PCM__WORKER__TEMPLATE_DIRECTORY=" in script
+    assert "--nthreads 1 " in script  # one task at a time per GPU
+    if kind == "sge":
+        assert "trap '' USR2" in script
+        assert "#$ -l gpu=1" in script and "#$ -notify" in script
+        assert "#$ -l h_rt=04:00:00" in script
+        assert "--lifetime 12240s --lifetime-stagger 720s" in script
+    else:
+        monkeypatch.setenv("CONDOR_CONFIG", "/dev/null")
+        htcondor2 = pytest.importorskip("htcondor2", reason="pip install htcondor (test extra)")
+        body = "\n".join(line for line in script.splitlines() if not line.startswith("#!"))
+        submit = htcondor2.Submit(body)
+        assert submit["request_gpus"] == "1"
+        assert submit["kill_sig"] == "SIGUSR2"
+        assert submit["job_max_vacate_time"] == "60"
+        assert submit["request_cpus"] == "4"
+        assert submit["should_transfer_files"] == "YES"
+        assert (
+            "-c 'trap '''' USR2; export DASK_PCM__WORKER__TEMPLATE_DIRECTORY="
+            in submit["Arguments"]
+        )
