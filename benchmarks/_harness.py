@@ -338,6 +338,56 @@ def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> No
         print(line(r))
 
 
+def plot_bars(
+    path: Path | None,
+    rows: Sequence[dict[str, Any]],
+    label: str,
+    value: str,
+    *,
+    title: str,
+    ylabel: str,
+    group: str | None = None,
+) -> None:
+    """Save a bar chart of ``row[value]`` per ``row[label]`` as PNG next to the JSON.
+
+    With ``group``, bars of the same label sit side by side, one colour per group value
+    (e.g. label "n", group "mode"). ``path`` is the JSON path; the plot goes to
+    ``<path without .json>.png``. Nothing happens without a path.
+    """
+    if path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(str(r[label]) for r in rows))
+    groups = list(dict.fromkeys(str(r[group]) for r in rows)) if group else [""]
+    width = 0.8 / len(groups)
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(labels) * len(groups) + 2), 3.6))
+    for j, g in enumerate(groups):
+        xs, ys = [], []
+        for i, lab in enumerate(labels):
+            for r in rows:
+                if str(r[label]) == lab and (not group or str(r[group]) == g):
+                    xs.append(i + (j - (len(groups) - 1) / 2) * width)
+                    ys.append(r[value])
+        bars = ax.bar(xs, ys, width=width, label=g or None)
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel(label)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if group:
+        ax.legend(title=group, fontsize=8)
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {png}")
+
+
 def write_json(path: Path | None, rows: Sequence[dict[str, Any]]) -> None:
     """Write ``rows`` (a list of flat dicts) to ``path`` as JSON, if a path was given."""
     if path is None:

@@ -259,10 +259,11 @@ def main() -> None:
         src = next(r for r in rows if r["n"] == n and r["mode"] == "source")
         p2p = next(r for r in rows if r["n"] == n and r["mode"] == "p2p")
         print(f"N={n}: source/p2p time {src['seconds'] / p2p['seconds']:.2f}")
+    run = uuid.uuid4().hex[:8]  # one id for the rows of one invocation
     for r in rows:
         r["loopback_mb_per_s"] = loop / 1e6
         r["transfer_alone"] = transfers
-        r["run"] = uuid.uuid4().hex[:8]
+        r["run"] = run
     h.write_json(args.json, rows or [{"transfer_alone": transfers}])
 
 
