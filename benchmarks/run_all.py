@@ -1,0 +1,95 @@
+"""Run every benchmark, one after the other, and say which passed and how long each took.
+
+Each script runs in its own process with the same ``--quick`` flag, writing its JSON (and PNG
+plot) into ``--out`` (default: a temporary folder with ``--quick``, ``benchmarks/results``
+otherwise). The scripts run one at a time: on a small machine any two would measure each
+other. A script that fails does not stop the others; the exit status is non-zero if any
+failed. With ``--quick`` the whole set is a smoke test (CI runs it); without, it is the full
+set of experiments behind ``benchmarks/README.md`` (an hour or more on 2 cores).
+
+Examples::
+
+    python benchmarks/run_all.py --quick
+    python benchmarks/run_all.py --only levels,peers --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _harness as h
+
+HERE = Path(__file__).resolve().parent
+
+# In the order of the paper's research questions, then the comparisons.
+SCRIPTS = {
+    "levels": "levels.py",  # RQ1: context levels, process per task, shared FS
+    "batch_sizes": "batch_sizes.py",  # RQ2: batch sizes at partial and full
+    "preemption": "preemption.py",  # RQ3: throughput under preemption
+    "scale_out": "scale_out.py",  # RQ4: workers joining at once, peer to peer
+    "peers": "peers.py",  # dask_pcm against Ray Data and plain Dask
+    "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
+}
+
+COLUMNS = [
+    ("name", "benchmark", "s"),
+    ("status", "status", "s"),
+    ("seconds", "seconds", ".1f"),
+    ("json", "results", "s"),
+]
+
+
+def main() -> None:
+    p = h.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--only", help=f"comma-separated subset of {','.join(SCRIPTS)}")
+    p.add_argument("--out", type=Path, help="folder for every script's JSON and PNG")
+    args = p.parse_args()
+    names = args.only.split(",") if args.only else list(SCRIPTS)
+    unknown = [n for n in names if n not in SCRIPTS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(SCRIPTS)}")
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="dask-pcm-bench-")) if args.quick else HERE / "results"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    passthrough = ["--quick"] if args.quick else []
+    passthrough += ["--workers", str(args.workers)]
+    if args.model:
+        passthrough += ["--model", args.model]
+    if args.data:
+        passthrough += ["--data", str(args.data)]
+
+    rows = []
+    start = time.perf_counter()
+    for name in names:
+        target = out / f"{name}.json"
+        cmd = [sys.executable, str(HERE / SCRIPTS[name]), *passthrough, "--json", str(target)]
+        print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=HERE).returncode
+        rows.append(
+            {
+                "name": name,
+                "status": "ok" if rc == 0 else f"FAILED (exit {rc})",
+                "seconds": time.perf_counter() - t0,
+                "json": str(target) if target.exists() else "-",
+                "returncode": rc,
+            }
+        )
+    print(
+        f"\nall benchmarks ({'quick' if args.quick else 'full'}) in "
+        f"{time.perf_counter() - start:.0f} s, results in {out}"
+    )
+    h.print_table(rows, COLUMNS)
+    h.write_json(args.json, rows)
+    failed = [r["name"] for r in rows if r["returncode"]]
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
