@@ -233,3 +233,30 @@ def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
     # The run deleted its jobs when it ended (they may still be leaving: state "dr").
     jobs = subprocess.run(["qstat"], capture_output=True, text=True).stdout.splitlines()[2:]
     assert all("d" in line.split()[4] for line in jobs), jobs
+
+
+def test_a_job_that_dies_before_its_worker_connects_is_replaced(tmp_path):
+    """dask-jobqueue #643: the first job exits at once; the watchdog submits another."""
+    marker = tmp_path / "first-job-died"
+    with (
+        dask_pcm.batch_cluster(
+            "sge",
+            workers=1,
+            cores=1,
+            memory="2GB",
+            processes=1,
+            interface="lo",
+            log_directory=str(tmp_path / "logs"),
+            watch_interval="1s",
+            scheduler_options={"dashboard_address": ":0"},
+            # The first job to start leaves a mark and dies before starting its worker.
+            job_script_prologue=[f"[ -e {marker} ] || {{ touch {marker}; exit 1; }}"],
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(1, timeout=120)
+        assert marker.exists()
+        # The count of failed starts is reset at the watchdog's next look (every 1 s here).
+        _wait(lambda: cluster.failed_starts == 0, 10, "the watchdog to see the worker")
+        assert cluster.replaced_jobs >= 1
+        assert len(cluster.worker_spec) == 1
