@@ -73,25 +73,38 @@ class TemplateStore:
         """Offer the chunks a template being assembled already has (its writer's staging)."""
         self.partial[writer.manifest.digest] = writer
 
+    def _where(self, digest: str, index: int) -> tuple[Path, Manifest, bool]:
+        """Root and manifest holding chunk ``index``, and whether it is a partial copy."""
+        held = self.held.get(digest)
+        if held is not None:
+            return held[0], held[1], False
+        writer = self.partial.get(digest)
+        if writer is None or index in writer.missing:
+            raise ChunkError(
+                f"chunk {index} of template {digest[:12]}... is not held by {self.worker.address}"
+            )
+        return writer.staging, writer.manifest, True
+
     async def serve(self, digest: str, index: int) -> Any:
         """Comm handler: chunk ``index`` of template ``digest``, read from disk."""
-        held = self.held.get(digest)
-        if held is None:
-            writer = self.partial.get(digest)
-            if writer is None or index in writer.missing:
-                raise ChunkError(
-                    f"chunk {index} of template {digest[:12]}... is not held by "
-                    f"{self.worker.address}"
-                )
-            held = (writer.staging, writer.manifest)
-        root, manifest = held
-        async with self._uploads:
-            self.active_uploads += 1
-            self.peak_uploads = max(self.peak_uploads, self.active_uploads)
-            try:
-                data = await asyncio.to_thread(read_chunk, root, manifest, index)
-            finally:
-                self.active_uploads -= 1
+        for _ in range(50):
+            root, manifest, partial = self._where(digest, index)
+            async with self._uploads:
+                self.active_uploads += 1
+                self.peak_uploads = max(self.peak_uploads, self.active_uploads)
+                try:
+                    data = await asyncio.to_thread(read_chunk, root, manifest, index)
+                except FileNotFoundError:
+                    if not partial:
+                        raise
+                    data = None  # the copy was completed (moved into place) or abandoned
+                finally:
+                    self.active_uploads -= 1
+            if data is not None:
+                break
+            await asyncio.sleep(0.1)  # look again: complete by now, or gone
+        else:
+            raise ChunkError(f"chunk {index} of template {digest[:12]}... kept moving; try later")
         self.bytes_served += len(data)
         # As its own frame: the comm sends the buffer as it is instead of packing a copy of
         # it into the message.
@@ -214,17 +227,13 @@ async def fetch_coordinated(
     gate = asyncio.Semaphore(in_flight)
     digest, me = manifest.digest, worker.address
 
-    async def get(index: int, peers: list[str]) -> None:
+    async def get(index: int, planned: list[str]) -> None:
         async with gate:
+            # A peer that failed once in this fetch (preempted, most likely) is not asked
+            # again; the scheduler forgets it once it notices the worker is gone. If only
+            # such peers hold the chunk, it comes from the source rather than never.
+            peers = [p for p in planned if p not in report.failed_peers]
             for peer in peers:
-                if peer in report.failed_peers:
-                    # Failed once in this fetch (preempted, most likely): not asked again.
-                    # The scheduler stops offering it for this chunk, and forgets it
-                    # altogether once it notices the worker is gone.
-                    await worker.scheduler.pcm_chunk_have(
-                        digest=digest, worker=peer, indexes=[], lost=[index]
-                    )
-                    continue
                 try:
                     if await chunks.from_peer(peer, index):
                         break

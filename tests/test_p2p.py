@@ -315,3 +315,69 @@ def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_
         where, logits = future.result(timeout=60)
         assert where == joiner
         torch.testing.assert_close(torch.tensor(logits), expected[0, :50], atol=1e-5, rtol=1e-5)
+
+
+def test_a_chunk_asked_for_while_the_copy_is_moved_into_place_is_still_served(template, tmp_path):
+    """A partial copy completes (staging renamed to its final place) while a peer's request
+    for one of its chunks is being served: the chunk comes from the complete copy."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dask_pcm.chunks import TemplateWriter, read_chunk
+
+    manifest, root = template
+
+    async def scenario() -> bytes:
+        store = TemplateStore(SimpleNamespace(handlers={}, address="tcp://w:1"), max_uploads=2)
+        writer = TemplateWriter(manifest, tmp_path / "copy")
+        for i in range(manifest.nchunks):
+            writer.write(i, read_chunk(root, manifest, i))
+        store.add_partial(writer)
+        final = writer.finish()  # staging is gone; the store does not know yet
+
+        async def announce_later() -> None:
+            await asyncio.sleep(0.3)
+            store.add(final, manifest)
+
+        served, _ = await asyncio.gather(store.serve(manifest.digest, 1), announce_later())
+        return served.data
+
+    assert asyncio.run(scenario()) == read_chunk(root, manifest, 1)
+
+
+def test_a_joiner_whose_only_peer_keeps_failing_reads_the_source(tiny_model_dir, tmp_path):
+    """The scheduler keeps naming a broken but connected holder: the joiner stops asking it
+    and reads what only it holds from the source instead of waiting forever."""
+    from distributed import LocalCluster
+
+    import dask_pcm
+
+    total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes
+
+    def broken(dask_worker=None):
+        async def fail(digest, index):
+            raise OSError("disk gone")
+
+        dask_worker.handlers["pcm_template_chunk"] = fail
+
+    with (
+        dask.config.set(
+            {"pcm.cache-directory": str(tmp_path / "cache"), "pcm.template.chunk-size": "16 KiB"}
+        ),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        (holder,) = _workers(client)
+        client.run(broken, workers=[holder])
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=30)
+        (joiner,) = set(_workers(client)) - {holder}
+        deadline = time.monotonic() + 60
+        while (row := dask_pcm.status(client).set_index("worker").loc[joiner])["state"] != "ready":
+            assert row["state"] != "failed", row["error"]
+            assert time.monotonic() < deadline, row["state"]
+            time.sleep(0.1)
+    assert (row["bytes_from_peers"], row["bytes_from_source"]) == (0, total)
