@@ -216,6 +216,18 @@ def accuracy(predictions: Sequence[int], claims: Sequence[Claim]) -> float:
     return hits / len(claims)
 
 
+def warm_up(model: str) -> None:
+    """Load ``model`` once and drop it; run it in every worker (``client.run``) before timing.
+
+    The first load in a process also imports torch, transformers and their lazily imported
+    tokenizer and model code (about 3 s here): a per-process cost, not a per-context one, which
+    would otherwise land in the first task at levels agnostic and partial but in ``register``
+    at full.
+    """
+    loader = dask_pcm.CausalLM()
+    loader.release(loader(model))
+
+
 # -- the ideal baseline: bare processes, no Dask ----------------------------------------------
 @contextmanager
 def _worker_environ() -> Iterator[None]:

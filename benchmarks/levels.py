@@ -1,86 +1,179 @@
-"""Context levels: the same FEVER scoring tasks at levels agnostic, partial and full.
+"""Context levels: the same FEVER scoring tasks at levels agnostic, partial and full (RQ1).
 
-Scores N claims in batches of 8 (one task per batch, one forward pass each) with a causal LM
-(default: the embedded SmolLM2-135M-Instruct) on a fresh ``dask_pcm.local_cluster`` per level
-(2 workers x 1 thread by default), and against the *ideal*: the same number of bare Python
-processes (multiprocessing, spawn), each loading the model once with ``dask_pcm.CausalLM`` and
-scoring its share of the batches back to back, in the environment of a dask_pcm worker (one
-OpenMP thread, no ``MALLOC_TRIM_THRESHOLD_``).
+Scores N claims (default 192, ``--quick`` 16) in batches of 8 (one task per batch, one forward
+pass each) with a causal LM (default: the embedded SmolLM2-135M-Instruct). The variants, the
+``level`` column of the table:
+
+- ``ideal``: as many bare Python processes as workers (multiprocessing, spawn), each loading
+  the model once with ``dask_pcm.CausalLM`` and scoring its share of the batches back to back,
+  in the environment of a dask_pcm worker (one OpenMP thread, no ``MALLOC_TRIM_THRESHOLD_``).
+- ``agnostic``, ``partial``, ``full``: dask_pcm's levels, each on a fresh
+  ``dask_pcm.local_cluster`` (2 workers x 1 thread by default).
+- ``process-per-task``: no Dask and nothing kept: every task is a fresh Python process
+  (``subprocess``, same environment as the ideal's) that imports torch and transformers, loads
+  the model with ``dask_pcm.CausalLM`` and scores its batch; ``--workers`` processes run at a
+  time, the next starting as one ends. This is how context-agnostic tasks run as plain batch
+  jobs, or as TaskVine tasks without a library process. The process imports dask_pcm's loader
+  modules but not the package's ``__init__`` with its Dask side (distributed, dask_jobqueue),
+  which a job carrying only the loader would not load: importing the whole package took 0.9 s
+  here, the loader modules alone 0.3 s.
+
+The source, ``--source-bandwidth`` (MB/s for the whole host, comma-separated settings, ``none``
+= no limit; default ``none,200``, ``--quick`` only ``none``). With a limit, reads of the template
+from its source share one simulated link (:class:`dask_pcm.throttle.SharedBandwidth`, set
+through ``pcm.template.source-bandwidth``), as the jobs of a cluster share a filesystem server.
+Why 200 MB/s: an assumption, not a measurement, for one node's share of a busy shared
+filesystem (an NFS client on 10 GbE is capped at about 1.2 GB/s by the wire and gets less once
+other nodes read from the same server); both workers of this host share it. The 542 MB
+template then takes 2.7 s per read alone, about twice what a build from page cache takes here
+(1.5 s); the paper's SmolLM2-1.7B (3.4 GB in bf16) would take 17 s on the same link.
+What goes through the link:
+
+- ``partial``, ``full``: the template copy into worker-local disk during ``register``
+  (dask_pcm's chunked fetch books every chunk it reads from the source; with peer-to-peer on,
+  one worker reads it from the source and the other copies it from that worker).
+- ``process-per-task``: every process books the template's bytes on the same link, in chunks
+  of ``pcm.template.chunk-size`` as dask_pcm does, before its load reads the files.
+- ``agnostic``: not. dask_pcm builds an agnostic context by calling the loader on the source
+  path in every task (``ContextPlugin.acquire``); only the template copy applies
+  ``pcm.template.source-bandwidth``. A throttled agnostic run would repeat the unthrottled one,
+  so agnostic (like the ideal, which loads before its timing) runs only without a limit.
 
 What is timed:
 
 - ``register_s``: ``dask_pcm.register`` until the context is ready on every worker (the model
-  loads at ``full``, the template copy at ``partial``, nearly nothing at ``agnostic``). For the
-  ideal: from process start to every process having loaded its model.
+  loads at ``full``, the template copy at ``partial`` and ``full``, nearly nothing at
+  ``agnostic``). For the ideal: from process start to every process having loaded its model.
+  For process-per-task: 0, there is nothing before the tasks.
 - ``wall_s``: from submitting the tasks to having every result; for the ideal, from all loaded
-  to all done.
+  to all done; for process-per-task, from the first process start to the last process exit, so
+  everything each task pays (interpreter start, imports, source read, load) is inside it.
 - ``loads``, ``load_s``: model loads and the seconds they took, summed over workers, from
-  ``dask_pcm.status`` (for the ideal, measured in its processes; each is the first load there,
-  so it includes the lazy imports described below).
-- ``cpu``: CPU seconds the worker (or ideal) processes used during ``wall_s``, divided by
-  processes x ``wall_s``: about 1.0 when each had its core to itself. This machine is shared;
-  well below 1.0, other work took the cores and that row's timings are inflated.
+  ``dask_pcm.status``; for the ideal and process-per-task, measured in their processes around
+  ``CausalLM()(model)``, the first load in a process, so it includes the lazy imports
+  described below; a task process's explicit ``import torch, transformers`` and its wait for
+  the source are outside it (JSON ``import_seconds``, ``source_wait_seconds``).
+- ``src_MB``: megabytes read from the source: at ``partial`` and ``full`` as dask_pcm counted
+  them (``bytes_from_source``); for the others loads x template size.
+- ``cpu``: CPU seconds the worker (or ideal, or task) processes used during ``wall_s``, divided
+  by processes x ``wall_s``: about 1.0 when each had its core to itself. This machine is
+  shared; well below 1.0, other work took the cores and that row's timings are inflated
+  (process-per-task under a source limit also sleeps while it waits for the link).
 - efficiency = ideal wall / full wall (the goal is >= 0.9).
 
-Worker start-up is outside every figure, and so is a first model load in each worker before
-``register`` (then released): the first load in a process imports torch, transformers and their
-lazily imported model code (about 3 s here), a per-process cost that would otherwise land in the
-first task at ``agnostic`` and ``partial`` but in ``register`` at ``full``.
+Worker start-up is outside every Dask figure, and so is a first model load in each worker
+before ``register`` (then released): the first load in a process imports torch, transformers
+and their lazily imported model code (about 3 s here), a per-process cost that would otherwise
+land in the first task at ``agnostic`` and ``partial`` but in ``register`` at ``full``.
 
-Every level must predict exactly what the ideal predicts; the run stops otherwise.
+Every variant must predict exactly what the ideal predicts; the run stops otherwise.
 
-Honesty note: here the "source" an agnostic task reads is the local cache directory of the
-converted model, with a warm page cache and no other readers, so a reload costs a fraction of a
-second and agnostic and partial differ little. On a real cluster the source is a shared
-filesystem or a model hub under contention; that regime (a bandwidth-limited source) belongs
-to a later benchmark. The machine is also shared with other work: compare runs, not digits.
+Without a limit the source is the local cache directory of the converted model on a warm page
+cache, so an agnostic build waits for no read and agnostic and partial differ little. The
+machine is also shared with other work: compare rows of one run, not digits across runs.
 
 Examples::
 
     python benchmarks/levels.py --quick
     python benchmarks/levels.py --json /tmp/levels.json
+    python benchmarks/levels.py --source-bandwidth 100 --claims 128
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from typing import Any
 
 import _harness as h
+import dask
 from distributed import Client
 
 import dask_pcm
+from dask_pcm import config
+from dask_pcm.sources import resolve_source, template_files
+from dask_pcm.throttle import SharedBandwidth
 
 LEVELS = ("agnostic", "partial", "full")
+PER_TASK = "process-per-task"
+LINK = "template-source"  # the link name dask_pcm's source reads use (config.source_bandwidth)
 COLUMNS = [
     ("level", "level", ""),
+    ("source", "source", ""),
     ("tasks", "tasks", "d"),
     ("loads", "loads", "d"),
     ("load_seconds", "load_s", ".2f"),
     ("register_seconds", "register_s", ".2f"),
     ("wall_seconds", "wall_s", ".2f"),
     ("claims_per_second", "claims/s", ".2f"),
+    ("mb_from_source", "src_MB", ".0f"),
     ("cpu_share", "cpu", ".2f"),
 ]
 
+# One task of process-per-task: the whole program a batch job would run, started as
+# ``python -c _TASK <json>``; it prints its result as JSON on the last line of stdout.
+_TASK = """
+import importlib.util, json, sys, time, types
+args = json.loads(sys.argv[1])
+sys.path[:0] = [args["benchmarks"], args["repo"]]
+# dask_pcm's loader modules without the package's __init__, which imports its Dask side.
+spec = importlib.util.find_spec("dask_pcm")
+package = types.ModuleType("dask_pcm")
+package.__path__ = list(spec.submodule_search_locations)
+sys.modules["dask_pcm"] = package
+start = time.perf_counter()
+import torch, transformers
+import _harness as h
+from dask_pcm.llm import CausalLM
+from dask_pcm.throttle import SharedBandwidth
+torch.set_num_threads(1)
+imported = time.perf_counter()
+if args["bytes_per_second"]:
+    link = SharedBandwidth(args["bytes_per_second"], name=args["link"])
+    for offset in range(0, args["nbytes"], args["chunk"]):
+        link.consume(min(args["chunk"], args["nbytes"] - offset))
+read = time.perf_counter()
+lm = CausalLM()(args["model"])
+loaded = time.perf_counter()
+predictions = h.score(lm, args["claims"])
+print(json.dumps({
+    "predictions": predictions,
+    "import_seconds": imported - start,
+    "source_wait_seconds": read - imported,
+    "load_seconds": loaded - read,
+    "score_seconds": time.perf_counter() - loaded,
+}))
+"""
 
-def _warm_up(model: str) -> None:
-    # The first load in a process also imports torch, transformers and their lazily imported
-    # tokenizer and model code (about 3 s here): a per-process cost, not a per-context one.
-    loader = dask_pcm.CausalLM()
-    loader.release(loader(model))
+
+def template_bytes(model: str) -> int:
+    """Size of the model's template, the bytes one read from the source moves."""
+    return sum(f.stat().st_size for f in template_files(resolve_source(model)))
 
 
-def run_level(level: str, model: str, work: list[list[str]], workers: int) -> dict:
+def run_level(
+    level: str, model: str, work: list[list[str]], workers: int, bytes_per_second: float | None
+) -> dict:
     """Run ``work`` at ``level`` on a fresh cluster; return its row and predictions."""
+    limit = {"pcm.template.source-bandwidth": int(bytes_per_second) if bytes_per_second else None}
     with (
+        dask.config.set(limit),  # workers take the client's config when they start
         dask_pcm.local_cluster(
             n_workers=workers, threads_per_worker=1, dashboard_address=":0"
         ) as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(workers)
-        client.run(_warm_up, model)
+        client.run(h.warm_up, model)
+        if bytes_per_second:
+            SharedBandwidth(bytes_per_second, name=LINK).reset()
         with h.Timer() as register:
             dask_pcm.register(client, dask_pcm.causal_lm(model, name=h.CONTEXT), level=level)
         cpu_before = client.run(time.process_time)
@@ -93,88 +186,248 @@ def run_level(level: str, model: str, work: list[list[str]], workers: int) -> di
     served = int(table["tasks"].sum())
     if served != len(work) or set(table["level"]) != {level}:
         raise RuntimeError(f"status after the {level} run does not add up:\n{table}")
+    loads = int(table["loads"].sum())
+    copied = level != "agnostic"  # agnostic loads read the source; the others copy it once
+    source_bytes = table["bytes_from_source"].sum() if copied else loads * template_bytes(model)
     return {
         "level": level,
+        "source_mb_per_s": bytes_per_second / 1e6 if bytes_per_second else None,
         "tasks": len(work),
-        "loads": int(table["loads"].sum()),
+        "loads": loads,
         "load_seconds": float(table["load_seconds"].sum()),
         "register_seconds": register.seconds,
         "wall_seconds": wall.seconds,
         "cpu_share": cpu / (workers * wall.seconds),
+        "mb_from_source": float(source_bytes) / 1e6,
+        "fetch_seconds": float(table["fetch_seconds"].sum()),
         "load_average": os.getloadavg()[0],
         "predictions": predictions,
     }
+
+
+def run_process_per_task(
+    model: str, work: list[list[str]], processes: int, bytes_per_second: float | None
+) -> dict:
+    """Run every batch of ``work`` in its own fresh process, ``processes`` at a time."""
+    nbytes = template_bytes(model)
+    common = {
+        "repo": str(h.REPO),
+        "benchmarks": str(h.REPO / "benchmarks"),
+        "model": model,
+        "bytes_per_second": bytes_per_second,
+        "link": LINK,
+        "nbytes": nbytes,
+        "chunk": int(dask.utils.parse_bytes(config.get("template.chunk-size"))),
+    }
+    with h._worker_environ():
+        env = dict(os.environ)
+    if bytes_per_second:
+        SharedBandwidth(bytes_per_second, name=LINK).reset()
+    pending = list(enumerate(work))[::-1]
+    running: dict[int, tuple[subprocess.Popen, Any, Any, float]] = {}
+    results: dict[int, dict] = {}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    # Output goes to files, not pipes: a pipe nobody reads while the task runs can fill up.
+    with contextlib.ExitStack() as files:
+        try:
+            while pending or running:
+                while pending and len(running) < processes:
+                    i, claims = pending.pop()
+                    out = files.enter_context(tempfile.TemporaryFile())
+                    err = files.enter_context(tempfile.TemporaryFile())
+                    argument = json.dumps({**common, "claims": claims})
+                    proc = subprocess.Popen(
+                        [sys.executable, "-c", _TASK, argument], stdout=out, stderr=err, env=env
+                    )
+                    running[i] = (proc, out, err, time.perf_counter())
+                time.sleep(0.01)
+                for i, (proc, out, err, began) in list(running.items()):
+                    if proc.poll() is None:
+                        if time.perf_counter() - began > 600:
+                            raise RuntimeError(f"task process {i} still running after 600 s")
+                        continue
+                    seconds = time.perf_counter() - began
+                    del running[i]
+                    if proc.returncode != 0:
+                        raise RuntimeError(
+                            f"task process {i} exited with {proc.returncode}:\n"
+                            + _read(err)[-2000:]
+                        )
+                    result = json.loads(_read(out).strip().splitlines()[-1])
+                    results[i] = {**result, "seconds": seconds}
+            wall = time.perf_counter() - start
+        finally:
+            for proc, *_ in running.values():
+                proc.kill()
+                proc.wait()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    parts = [results[i] for i in range(len(work))]
+    return {
+        "level": PER_TASK,
+        "source_mb_per_s": bytes_per_second / 1e6 if bytes_per_second else None,
+        "tasks": len(work),
+        "loads": len(work),
+        "load_seconds": sum(p["load_seconds"] for p in parts),
+        "register_seconds": 0.0,
+        "wall_seconds": wall,
+        "cpu_share": cpu / (processes * wall),
+        "mb_from_source": len(work) * nbytes / 1e6,
+        "import_seconds": sum(p["import_seconds"] for p in parts),
+        "source_wait_seconds": sum(p["source_wait_seconds"] for p in parts),
+        "score_seconds": sum(p["score_seconds"] for p in parts),
+        "median_process_seconds": statistics.median(p["seconds"] for p in parts),
+        "load_average": os.getloadavg()[0],
+        "predictions": [p["predictions"] for p in parts],
+    }
+
+
+_RATIO_NAMES = {
+    f"{PER_TASK}_over_full_with_register": f"{PER_TASK} wall / full (register + wall)",
+    "full_efficiency": "full-context efficiency (ideal wall / full wall, goal >= 0.9)",
+}
+
+
+def _read(file: Any) -> str:
+    file.seek(0)
+    return str(file.read().decode())
 
 
 def _flat(per_batch: list[list[int]]) -> list[int]:
     return [i for batch in per_batch for i in batch]
 
 
+def _source(mb_per_s: float | None) -> str:
+    return f"{mb_per_s:g} MB/s" if mb_per_s else "no limit"
+
+
+def _settings(text: str) -> list[float | None]:
+    """``--source-bandwidth`` as MB/s values, ``None`` for no limit."""
+    settings: list[float | None] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        try:
+            value = None if item in ("none", "0") else float(item)
+        except ValueError:
+            value = -1.0
+        if value is not None and not value > 0:
+            raise ValueError(f"--source-bandwidth: {item!r} is not 'none' or a positive MB/s")
+        settings.append(value)
+    return settings
+
+
 def _progress(row: dict) -> None:
     print(
-        f"  {row['level']}: {row['wall_seconds']:.1f} s wall, cpu share {row['cpu_share']:.2f}, "
-        f"load average {row['load_average']:.2f}",
+        f"  {row['level']} ({_source(row['source_mb_per_s'])}): {row['wall_seconds']:.1f} s "
+        f"wall, cpu share {row['cpu_share']:.2f}, load average {row['load_average']:.2f}",
         flush=True,
     )
 
 
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--claims", type=int, help="claims to score (default 512, --quick 48)")
+    p.add_argument("--claims", type=int, help="claims to score (default 192, --quick 16)")
     p.add_argument("--batch-size", type=int, default=8, help="claims per task (default 8)")
+    p.add_argument(
+        "--source-bandwidth",
+        metavar="MB[,MB...]",
+        help="MB/s of the simulated shared filesystem for the whole host, one run per setting; "
+        "'none': no limit (default 'none,200', --quick 'none')",
+    )
     args = p.parse_args()
-    n = args.claims or (48 if args.quick else 512)
+    n = args.claims or (16 if args.quick else 192)
+    settings = _settings(args.source_bandwidth or ("none" if args.quick else "none,200"))
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, n)
     work = h.batches([c.text for c in claims], args.batch_size)
     print(
         f"{n} claims in {len(work)} tasks of {args.batch_size}, {args.workers} workers x 1 thread, "
-        f"model {model}; load average {os.getloadavg()[0]:.2f}"
+        f"model {model} ({template_bytes(model) / 1e6:.0f} MB), source "
+        f"{', '.join(_source(s) for s in settings)}; load average {os.getloadavg()[0]:.2f}"
     )
 
     base = h.ideal(model, work, args.workers)
     rows = [
         {
             "level": "ideal",
+            "source_mb_per_s": None,
             "tasks": len(work),
             "loads": args.workers,
             "load_seconds": base["load_seconds"],
             "register_seconds": base["startup_seconds"],
             "wall_seconds": base["wall_seconds"],
             "cpu_share": base["cpu_seconds"] / (args.workers * base["wall_seconds"]),
+            "mb_from_source": args.workers * template_bytes(model) / 1e6,
             "load_average": os.getloadavg()[0],
             "predictions": base["predictions"],
         }
     ]
     _progress(rows[-1])
     expected = _flat(base["predictions"])
-    for level in LEVELS:
-        rows.append(run_level(level, model, work, args.workers))
+    for mb_per_s in settings:
+        bytes_per_second = mb_per_s * 1e6 if mb_per_s else None
+        levels = LEVELS if bytes_per_second is None else LEVELS[1:]
+        if bytes_per_second is not None:
+            print(
+                f"  agnostic not run at {_source(mb_per_s)}: its per-task loads read the source "
+                "outside pcm.template.source-bandwidth (see the docstring)"
+            )
+        for level in levels:
+            rows.append(run_level(level, model, work, args.workers, bytes_per_second))
+            _progress(rows[-1])
+        rows.append(run_process_per_task(model, work, args.workers, bytes_per_second))
         _progress(rows[-1])
-        # A benchmark of wrong answers is worthless: every level must match the ideal exactly.
-        wrong = sum(a != b for a, b in zip(_flat(rows[-1]["predictions"]), expected, strict=True))
-        if wrong:
-            raise AssertionError(f"level {level}: {wrong} of {n} predictions differ from the ideal")
+        for row in rows[-len(levels) - 1 :]:
+            # A benchmark of wrong answers is worthless: every variant must match the ideal.
+            got = _flat(row["predictions"])
+            wrong = sum(a != b for a, b in zip(got, expected, strict=True))
+            if wrong:
+                raise AssertionError(
+                    f"{row['level']} ({_source(mb_per_s)}): {wrong} of {n} predictions differ "
+                    "from the ideal"
+                )
     for row in rows:
         del row["predictions"]
         row["claims_per_second"] = n / row["wall_seconds"]
+        row["source"] = _source(row["source_mb_per_s"])
     print()
     h.print_table(rows, COLUMNS)
 
-    wall = {row["level"]: row["wall_seconds"] for row in rows}
-    summary = {
-        "agnostic_over_full": wall["agnostic"] / wall["full"],
-        "partial_over_full": wall["partial"] / wall["full"],
-        "full_efficiency": wall["ideal"] / wall["full"],
-        "accuracy": h.accuracy(expected, claims),
-    }
+    summary = []
     print()
-    print(f"agnostic / full wall:  {summary['agnostic_over_full']:.2f}")
-    print(f"partial / full wall:   {summary['partial_over_full']:.2f}")
-    print(f"full-context efficiency (ideal wall / full wall): {summary['full_efficiency']:.2f}")
-    print(f"identical predictions at every level; accuracy {summary['accuracy']:.3f} on {n} claims")
-    h.write_json(args.json, rows + [{"metric": k, "value": v} for k, v in summary.items()])
+    for mb_per_s in settings:
+        of = {r["level"]: r for r in rows if r["source_mb_per_s"] == mb_per_s}
+        full = of["full"]["wall_seconds"]
+        ratios = {
+            f"{v}_over_full": of[v]["wall_seconds"] / full for v in of if v not in ("ideal", "full")
+        }
+        # Process-per-task's wall holds everything its tasks pay; full's set-up is in register.
+        ratios[f"{PER_TASK}_over_full_with_register"] = of[PER_TASK]["wall_seconds"] / (
+            full + of["full"]["register_seconds"]
+        )
+        if "ideal" in of:
+            ratios["full_efficiency"] = of["ideal"]["wall_seconds"] / full
+        summary += [
+            {"metric": k, "source_mb_per_s": mb_per_s, "value": v} for k, v in ratios.items()
+        ]
+        print(f"{_source(mb_per_s)}:")
+        for k, v in ratios.items():
+            print(f"  {_RATIO_NAMES.get(k, k.replace('_over_', ' / ') + ' wall')}: {v:.2f}")
+    accuracy = h.accuracy(expected, claims)
+    summary.append({"metric": "accuracy", "source_mb_per_s": None, "value": accuracy})
+    print(f"identical predictions in every variant; accuracy {accuracy:.3f} on {n} claims")
+    h.write_json(args.json, rows + summary)
+    h.plot_bars(
+        args.json,
+        rows,
+        "level",
+        "wall_seconds",
+        group="source",
+        title=f"{n} FEVER claims, tasks of {args.batch_size}, {args.workers} workers",
+        ylabel="wall s (lower is better)",
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
-# Prompts per forward pass on a CPU worker. Measured with benchmarks/fever_batch_sizes.py
-# (SmolLM2-135M, FEVER prompts, 2 workers on 2 vCPUs): 6.8 claims/s at 1, 9.9 at 8, 8.1 at 32.
+# Prompts per forward pass on a CPU worker. Measured with benchmarks/fever_batch_sizes.py, now
+# batch_sizes.py (SmolLM2-135M, FEVER prompts, 2 workers on 2 vCPUs): 6.8 claims/s at 1, 9.9 at 8, 8.1 at 32.
 # Beyond a few rows a CPU's matrix units are already busy, and longer batches only add padding.
 CPU_BATCH_SIZE = 8
 # On a GPU the batch is sized from the free device memory (see _auto_batch_size), at most this.
