@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +123,20 @@ def write_llama_gguf(model_dir: Path, out: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def require_batch_system(command: str, what: str, hint: str, require_env: str) -> None:
+    """Skip the calling module unless ``command`` answers (a batch system is here); with
+    ``require_env`` set in the environment (as in CI) its absence is a failure instead."""
+    problem = None
+    if shutil.which(command) is None:
+        problem = f"{command} is not on PATH"
+    else:
+        probe = subprocess.run([command], capture_output=True, text=True, timeout=60)
+        if probe.returncode:
+            problem = f"{command} failed: {probe.stderr.strip()}"
+    if problem:
+        message = f"no {what} here ({problem}){hint}"
+        if os.environ.get(require_env):
+            pytest.fail(message)
+        pytest.skip(message)

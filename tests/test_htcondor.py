@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 
 import pytest
+from conftest import require_batch_system
 from distributed import Client
 
 import dask_pcm
@@ -28,18 +28,7 @@ pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def pool() -> None:
-    problem = None
-    if shutil.which("condor_q") is None:
-        problem = "condor_q is not on PATH"
-    else:
-        probe = subprocess.run(["condor_q"], capture_output=True, text=True, timeout=60)
-        if probe.returncode:
-            problem = f"condor_q failed: {probe.stderr.strip()}"
-    if problem:
-        message = f"no HTCondor pool here ({problem})"
-        if os.environ.get("PCM_REQUIRE_HTCONDOR"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_batch_system("condor_q", "HTCondor pool", "", "PCM_REQUIRE_HTCONDOR")
 
 
 def _cluster(tmp_path, workers: int):

@@ -8,7 +8,6 @@ absence is a failure.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import dask
 import pytest
+from conftest import require_batch_system
 from distributed import Client
 
 import dask_pcm
@@ -29,18 +29,9 @@ pytestmark = [pytest.mark.sge, pytest.mark.slow]
 
 @pytest.fixture(scope="module", autouse=True)
 def grid_engine() -> None:
-    problem = None
-    if shutil.which("qstat") is None:
-        problem = "qstat is not on PATH"
-    else:
-        probe = subprocess.run(["qstat"], capture_output=True, text=True, timeout=30)
-        if probe.returncode:
-            problem = f"qstat failed: {probe.stderr.strip()}"
-    if problem:
-        message = f"no Grid Engine here ({problem}); `sudo bash ci/sge/setup.sh` starts one"
-        if os.environ.get("PCM_REQUIRE_SGE"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require_batch_system(
+        "qstat", "Grid Engine", "; `sudo bash ci/sge/setup.sh` starts one", "PCM_REQUIRE_SGE"
+    )
 
 
 def _sge_cluster(tmp_path: Path, workers: int, **kwargs):
