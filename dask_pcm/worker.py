@@ -36,6 +36,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import dask.utils
 from distributed import WorkerPlugin
 
 from dask_pcm import config
@@ -230,6 +231,8 @@ class ContextPlugin(WorkerPlugin):
                     self._fetch_template()
                 elif self.level == "partial":
                     self._stage()
+                elif self.level == "agnostic":
+                    self.template_bytes = _source_bytes(self.context.template)
                 if self.level == "full":
                     self._make_room(self.nbytes)
                     value = self._build(self.location)
@@ -348,6 +351,26 @@ class ContextPlugin(WorkerPlugin):
             staged.path,
             staged.nbytes,
         )
+
+    def _read_source(self) -> None:
+        """Account one read of the template from the source (every build at ``agnostic``).
+
+        Under a simulated shared filesystem (``pcm.template.source-bandwidth``) the read waits
+        for its share of the host's link, chunk by chunk like a template copy, so a level
+        ``agnostic`` run pays for its repeated reads as it would on a cluster's shared storage.
+        """
+        nbytes = self.template_bytes
+        if not nbytes:
+            return
+        waited = 0.0
+        bandwidth = config.source_bandwidth()
+        if bandwidth is not None:
+            chunk = int(dask.utils.parse_bytes(config.get("template.chunk-size")))
+            for start in range(0, nbytes, chunk):
+                waited += bandwidth.consume(min(chunk, nbytes - start))
+        with self._lock:
+            self.bytes_from_source += nbytes
+            self.fetch_seconds += waited
 
     def _build(self, location: str) -> Any:
         start = time.perf_counter()
@@ -484,6 +507,8 @@ class ContextPlugin(WorkerPlugin):
         if self.level == "full":
             return value, False
         try:
+            if self.level == "agnostic":
+                self._read_source()
             return self._build(self.location), True
         except BaseException as exc:
             with self._lock:
@@ -530,6 +555,18 @@ class ContextPlugin(WorkerPlugin):
                 "fetch_seconds": round(self.fetch_seconds, 6),
                 "error": self.error,
             }
+
+
+def _source_bytes(template: Any) -> int:
+    """Bytes one build reads from a local template source; 0 for hub ids and custom sources."""
+    from dask_pcm.sources import resolve_source, template_files
+
+    if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
+        return 0
+    try:
+        return sum(p.stat().st_size for p in template_files(resolve_source(template)))
+    except Exception:  # the build itself reports an unusable source, with its reason
+        return 0
 
 
 def _size_of(value: Any) -> int:

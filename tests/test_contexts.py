@@ -62,6 +62,23 @@ def test_agnostic_loads_once_per_task(cluster, tiny_model_dir):
         assert r.level == "agnostic"
 
 
+def test_agnostic_reads_the_source_through_the_simulated_shared_fs(cluster, tiny_model_dir):
+    from dask_pcm.throttle import SharedBandwidth
+
+    _, client = cluster
+    nbytes = sum(f.stat().st_size for f in template_files(resolve_source(tiny_model_dir)))
+    dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny"), level="agnostic")
+    SharedBandwidth(1, name="template-source").reset()
+    # One read of the template takes 0.2 s on the host's link; six tasks read it six times.
+    with dask.config.set({"pcm.template.source-bandwidth": int(nbytes / 0.2)}):
+        client.gather(dask_pcm.map(client, _score, [f"p{i}" for i in range(6)], context="tiny"))
+    rows = _rows(client, "tiny")
+    assert sum(r.tasks for r in rows.values()) == 6
+    assert sum(r.bytes_from_source for r in rows.values()) == 6 * nbytes
+    # Reads share one link: together they waited at least their six slots of 0.2 s.
+    assert sum(r.fetch_seconds for r in rows.values()) >= 6 * 0.2 - 0.05
+
+
 def test_partial_copies_template_once_and_loads_per_task(cluster, tiny_model_dir):
     _, client = cluster
     dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", level="partial"))
