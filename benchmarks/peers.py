@@ -19,7 +19,8 @@ thread by default), five ways, one after the other in one run, each on processes
   callable class that loads the model in ``__init__`` and scores a batch in ``__call__``, with
   ``batch_size=8`` on a fixed pool of one actor per worker (``ActorPoolStrategy(size=workers)``,
   one CPU each, ``ray.init(num_cpus=workers)``). When ray cannot be imported the row is
-  skipped and the reason printed (``pip install -e '.[bench]'``).
+  skipped and the reason printed (``pip install -e '.[bench]'``); with
+  ``PCM_BENCH_REQUIRE_RAY=1`` (set by CI) the run fails instead.
 
 What is timed (``seconds``): from submitting the work to having every result in the client;
 for the ideal, from all its processes loaded to all done. Everything a variant does after the
@@ -82,6 +83,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -453,6 +455,8 @@ def main() -> None:
     expected: list[int] = []
     for variant in chosen:
         if variant == "ray-data" and (reason := _ray_missing()):
+            if os.environ.get("PCM_BENCH_REQUIRE_RAY") == "1":  # CI: absence is a failure
+                sys.exit(f"ray-data: ray cannot be imported and PCM_BENCH_REQUIRE_RAY=1: {reason}")
             skipped[variant] = reason
             print(f"  ray-data: skipped, ray cannot be imported: {reason}", flush=True)
             continue

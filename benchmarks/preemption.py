@@ -4,7 +4,7 @@ while a worker is killed every T seconds, at context levels full and partial.
 For each level, a fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default, worker
 processes under a nanny) gets a continuous stream of FEVER scoring tasks (8 claims per task,
 one forward pass of the embedded SmolLM2-135M-Instruct each) for a window of ``--window``
-seconds (120; ``--quick`` 45). Every ``--period`` seconds (20; ``--quick`` 12) one worker
+seconds (120; ``--quick`` 20). Every ``--period`` seconds (20; ``--quick`` 7) one worker
 process is killed with SIGKILL, the workers taking turns, as a batch system or a cloud
 provider would preempt it. Its nanny starts a fresh process, which joins with nothing: it
 copies the model's template again (peer to peer, from the surviving worker), and then at level
@@ -243,13 +243,13 @@ def _seconds(value: float | None) -> str:
 
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--window", type=float, help="seconds of streaming per level (120; --quick 45)")
-    p.add_argument("--period", type=float, help="seconds between preemptions (20; --quick 12)")
+    p.add_argument("--window", type=float, help="seconds of streaming per level (120; --quick 20)")
+    p.add_argument("--period", type=float, help="seconds between preemptions (20; --quick 7)")
     p.add_argument("--claims", type=int, default=1024, help="claims in the stream, cycled (1024)")
     p.add_argument("--batch-size", type=int, default=8, help="claims per task (default 8)")
     args = p.parse_args()
-    window = args.window or (45.0 if args.quick else 120.0)
-    period = args.period or (12.0 if args.quick else 20.0)
+    window = args.window or (20.0 if args.quick else 120.0)
+    period = args.period or (7.0 if args.quick else 20.0)
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, args.claims)

@@ -63,9 +63,10 @@ KINDS = ("plain", "context", "plain-unqueued")
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, help="tasks per round (default 20000, --quick 2000)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of each kind (default 2)")
+    p.add_argument("--rounds", type=int, help="rounds of each kind (default 2, --quick 1)")
     args = p.parse_args()
     n = args.tasks or (2000 if args.quick else 20000)
+    rounds = args.rounds or (1 if args.quick else 2)
     rows = []
     with (
         dask_pcm.local_cluster(n_workers=args.workers, dashboard_address=":0") as cluster,
@@ -75,7 +76,7 @@ def main() -> None:
         # Untimed warm-up of both paths (imports, function caches, first connections).
         client.gather(client.map(plain, range(100), key=[f"warm-plain-{i}" for i in range(100)]))
         client.gather(dask_pcm.map(client, with_context, range(100), context=CONTEXT))
-        for r in range(args.rounds):
+        for r in range(rounds):
             for kind in KINDS:
                 keys = [f"{kind}-{r}-{i}" for i in range(n)]
                 if kind == "plain-unqueued":
