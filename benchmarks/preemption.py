@@ -55,6 +55,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import _harness as h
 import dask
@@ -299,6 +300,19 @@ def main() -> None:
     print(f"claims in the window, full / partial: {ratio:.2f}")
     print(f"{len(full.keys() & partial.keys())} batches scored at both levels, identically")
     h.write_json(args.json, rows)
+    plot(args.json, rows)
+
+
+def plot(path: Path | None, rows: list[dict]) -> None:
+    """Claims scored in the window per level (the PNG beside ``path``)."""
+    h.plot_bars(
+        path,
+        rows,
+        "level",
+        "claims_done",
+        title=f"{rows[0]['window_s']:g} s, a worker killed every {rows[0]['period_s']:g} s",
+        ylabel="claims scored in the window",
+    )
 
 
 if __name__ == "__main__":

@@ -265,6 +265,21 @@ def main() -> None:
         r["transfer_alone"] = transfers
         r["run"] = run
     h.write_json(args.json, rows or [{"transfer_alone": transfers}])
+    plot(args.json, rows)
+
+
+def plot(path: Path | None, rows: list[dict]) -> None:
+    """Seconds until every joining worker is ready, per N and mode (the PNG beside ``path``)."""
+    if rows:
+        h.plot_bars(
+            path,
+            rows,
+            "n",
+            "seconds",
+            group="mode",
+            title="N workers joining at once, template from the source or peer to peer",
+            ylabel="s until all ready (lower is better)",
+        )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ Examples::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import _harness as h
 from distributed import Client
 
@@ -124,6 +126,20 @@ def main() -> None:
                 "served": served,
             },
         ],
+    )
+    plot(args.json, rows)
+
+
+def plot(path: Path | None, rows: list[dict]) -> None:
+    """Tasks per second per kind and round (the PNG beside ``path``)."""
+    h.plot_bars(
+        path,
+        [r for r in rows if r["kind"] in KINDS],
+        "kind",
+        "tasks_per_second",
+        group="round",
+        title=f"{rows[0]['tasks']} no-op tasks per round",
+        ylabel="tasks/s (higher is better)",
     )
 
 
