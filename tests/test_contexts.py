@@ -218,12 +218,16 @@ def test_ready_timeout_fails_the_task_not_hangs(cluster):
 RELEASED: list[str] = []
 
 
+RELEASING_THREADS: list[str] = []
+
+
 class ReleasingLoader:
     def __call__(self, location: str) -> dict[str, str]:
         return {"location": location}
 
     def release(self, value: dict[str, str]) -> None:
         RELEASED.append(value["location"])
+        RELEASING_THREADS.append(threading.current_thread().name)
 
 
 def test_unregister_frees_the_context_on_every_worker(cluster):
@@ -237,6 +241,22 @@ def test_unregister_frees_the_context_on_every_worker(cluster):
     assert dask_pcm.registered_contexts(client) == []
     with pytest.raises(ContextNotFoundError, match="rel"):
         dask_pcm.unregister(client, "rel")
+
+
+def test_closing_worker_frees_its_context_before_close_returns():
+    # A release left to a background thread could still be inside torch when the worker's
+    # process exits, which aborted it ("terminate called without an active exception").
+    RELEASED.clear()
+    RELEASING_THREADS.clear()
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.Context("rel", ReleasingLoader(), template="there"))
+    assert RELEASED == ["there", "there"]
+    assert not any("_release" in name for name in RELEASING_THREADS), RELEASING_THREADS
 
 
 INTERVALS: list[tuple[float, float]] = []
