@@ -239,6 +239,23 @@ def warm_up(model: str) -> None:
     loader.release(loader(model))
 
 
+@contextmanager
+def warm_cluster(model: str, workers: int) -> Iterator[Any]:
+    """A client of a fresh ``dask_pcm.local_cluster`` of ``workers`` x 1 thread, every worker
+    present and warmed up (:func:`warm_up`); cluster and client closed on exit."""
+    from distributed import Client
+
+    with (
+        dask_pcm.local_cluster(
+            n_workers=workers, threads_per_worker=1, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(workers)
+        client.run(warm_up, model)
+        yield client
+
+
 # -- the ideal baseline: bare processes, no Dask ----------------------------------------------
 @contextmanager
 def _worker_environ() -> Iterator[None]:

@@ -118,13 +118,8 @@ def run_level(level: str, model: str, texts: list[str], sizes: list[int], worker
     """Every batch size at ``level`` on one fresh cluster; the rows, in order of ``sizes``."""
     rows = []
     with (
-        dask_pcm.local_cluster(
-            n_workers=workers, threads_per_worker=1, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
+        h.warm_cluster(model, workers) as client,
     ):
-        client.wait_for_workers(workers)
-        client.run(h.warm_up, model)
         dask_pcm.register(client, dask_pcm.causal_lm(model, name=h.CONTEXT), level=level)
         warm = h.batches(texts[: 8 * workers], 8)
         client.gather(dask_pcm.map(client, h.score_batch, warm, context=h.CONTEXT, pure=False))

@@ -95,7 +95,6 @@ from typing import Any
 
 import _harness as h
 import dask
-from distributed import Client
 
 import dask_pcm
 from dask_pcm import config
@@ -166,13 +165,8 @@ def run_level(
     limit = {"pcm.template.source-bandwidth": int(bytes_per_second) if bytes_per_second else None}
     with (
         dask.config.set(limit),  # workers take the client's config when they start
-        dask_pcm.local_cluster(
-            n_workers=workers, threads_per_worker=1, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
+        h.warm_cluster(model, workers) as client,
     ):
-        client.wait_for_workers(workers)
-        client.run(h.warm_up, model)
         if bytes_per_second:
             SharedBandwidth(bytes_per_second, name=LINK).reset()
         with h.Timer() as register:

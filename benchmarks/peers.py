@@ -120,13 +120,6 @@ PLAIN_DASK_CONFIG = {
 
 
 # -- on the workers ---------------------------------------------------------------------------
-def _warm_up(model: str) -> None:
-    # The first load in a process also imports torch, transformers and their lazily imported
-    # tokenizer and model code (about 3 s here): a per-process cost, not a per-context one.
-    loader = dask_pcm.CausalLM()
-    loader.release(loader(model))
-
-
 def _settings() -> tuple[int, str | None]:
     """torch's thread count and ``MALLOC_TRIM_THRESHOLD_`` in this process."""
     import torch
@@ -244,13 +237,8 @@ def run_ideal(model: str, work: list[list[str]], workers: int) -> dict:
 
 def run_dask_pcm(model: str, work: list[list[str]], workers: int) -> dict:
     with (
-        dask_pcm.local_cluster(
-            n_workers=workers, threads_per_worker=1, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
+        h.warm_cluster(model, workers) as client,
     ):
-        client.wait_for_workers(workers)
-        client.run(_warm_up, model)
         _check_settings(list(client.run(_settings).values()), "dask_pcm")
         with h.Timer() as register:
             dask_pcm.register(
@@ -291,7 +279,7 @@ def run_plain_dask(variant: str, model: str, work: list[list[str]], workers: int
         Client(cluster) as client,
     ):
         client.wait_for_workers(workers)
-        client.run(_warm_up, model)
+        client.run(h.warm_up, model)
         _check_settings(list(client.run(_settings).values()), variant)
         cpu_before = client.run(time.process_time)
         with h.Timer() as wall:
@@ -316,7 +304,7 @@ def run_plain_dask(variant: str, model: str, work: list[list[str]], workers: int
 
 
 def _ray_warm_up_process(model: str) -> int:
-    _warm_up(model)
+    h.warm_up(model)
     return os.getpid()
 
 

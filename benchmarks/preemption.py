@@ -77,13 +77,6 @@ COLUMNS = [
 ]
 
 
-def _warm_up(model: str) -> None:
-    # The first load in a process also imports torch, transformers and their lazily imported
-    # tokenizer and model code (about 3 s here): a per-process cost, not a per-context one.
-    loader = dask_pcm.CausalLM()
-    loader.release(loader(model))
-
-
 def _identity(dask_worker=None) -> tuple[str, int]:
     return str(dask_worker.name), os.getpid()
 
@@ -153,14 +146,9 @@ def run_level(
     depth = 3 * workers  # one running and at least two waiting per worker
     with (
         dask.config.set({"distributed.scheduler.allowed-failures": 1000}),
-        dask_pcm.local_cluster(
-            n_workers=workers, threads_per_worker=1, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
+        h.warm_cluster(model, workers) as client,
     ):
-        client.wait_for_workers(workers)
         names = sorted(name for name, _ in client.run(_identity).values())
-        client.run(_warm_up, model)
         dask_pcm.register(
             client, dask_pcm.causal_lm(model, name=h.CONTEXT, device="cpu"), level=level
         )
