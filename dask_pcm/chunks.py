@@ -33,15 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from dask_pcm import config
-from dask_pcm.exceptions import PCMError
+from dask_pcm.exceptions import ChunkError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST_NAME",
+    "ChunkError",
+    "ChunkRef",
+    "FileEntry",
+    "Manifest",
+    "TemplateWriter",
+    "build_manifest",
+    "chunk_size",
+    "read_chunk",
+    "verify_chunk",
+    "verify_copy",
+]
 
 FORMAT = "dask-pcm-template/1"
 MANIFEST_NAME = ".dask-pcm-manifest.json"
 _PIECE = 1 << 20  # hashing and copying read this much at a time
-
-
-class ChunkError(PCMError):
-    """A chunk does not match its manifest (wrong size or digest), or is out of range."""
 
 
 @dataclass(frozen=True)
@@ -111,10 +122,17 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        """The manifest in ``data``, checked: format, file names, digest.
+
+        A manifest travels to every worker, which writes the files it names: a name that is
+        not a plain file name (a path, ``..``, a hidden name) is refused before anything is
+        written.
+        """
         if data.get("format") != FORMAT:
             raise ChunkError(f"not a {FORMAT} manifest: format {data.get('format')!r}")
         files = tuple(
-            FileEntry(str(f["path"]), int(f["size"]), tuple(f["chunks"])) for f in data["files"]
+            FileEntry(check_file_name(f["path"]), int(f["size"]), tuple(f["chunks"]))
+            for f in data["files"]
         )
         manifest = cls(int(data["chunk_size"]), files, str(data["digest"]))
         expected = _digest(manifest.chunk_size, files)
@@ -128,6 +146,28 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         return cls.from_dict(json.loads(text))
+
+
+def check_file_name(name: Any) -> str:
+    """``name`` if it is a plain file name a manifest may list, else raise :class:`ChunkError`.
+
+    Templates are flat folders (or one file): a name with a path separator, ``..``, an
+    absolute path, a leading dot or a NUL byte could make a worker write outside its copy.
+    """
+    text = str(name)
+    if (
+        not text
+        or text.startswith(".")
+        or "/" in text
+        or "\\" in text
+        or "\0" in text
+        or os.path.isabs(text)
+    ):
+        raise ChunkError(
+            f"manifest lists {text!r}: template files must be plain names (no path separators, "
+            "'..', absolute paths or leading dots)"
+        )
+    return text
 
 
 def chunk_size() -> int:
@@ -232,6 +272,21 @@ def verify_chunk(manifest: Manifest, index: int, data: bytes | memoryview) -> No
         )
 
 
+def verify_copy(root: str | os.PathLike[str], manifest: Manifest) -> list[int]:
+    """Indexes of the chunks of the copy at ``root`` that do not match ``manifest``.
+
+    Reads the copy chunk by chunk (memory bounded by one chunk); a missing or short file
+    counts all its chunks as bad.
+    """
+    bad = []
+    for ref in manifest.chunks():
+        try:
+            verify_chunk(manifest, ref.index, read_chunk(root, manifest, ref.index))
+        except (OSError, ChunkError):
+            bad.append(ref.index)
+    return bad
+
+
 class TemplateWriter:
     """Assemble a template from verified chunks, in any order, into ``dest``.
 
@@ -246,8 +301,20 @@ class TemplateWriter:
         self.dest = Path(dest)
         self.staging = self.dest.with_name(f".{self.dest.name}.{os.getpid()}.partial")
         self.staging.mkdir(parents=True, exist_ok=True)
+        # Checked again here (from_dict checks names too): a Manifest built in code, or a
+        # staging folder reached through a link, must not let a write land elsewhere.
+        inside = self.staging.resolve()
+        self._paths: dict[str, Path] = {}
         for entry in manifest.files:
-            with open(self.staging / entry.path, "ab") as f:
+            path = (inside / check_file_name(entry.path)).resolve()
+            if path.parent != inside:
+                raise ChunkError(
+                    f"manifest file {entry.path!r} resolves to {path}, outside the copy "
+                    f"being assembled in {inside}"
+                )
+            self._paths[entry.path] = path
+        for entry in manifest.files:
+            with open(self._paths[entry.path], "ab") as f:
                 f.truncate(entry.size)
         self.missing = set(range(manifest.nchunks))
 
@@ -255,7 +322,7 @@ class TemplateWriter:
         """Verify chunk ``index`` and write it; raises :class:`ChunkError` if it is wrong."""
         verify_chunk(self.manifest, index, data)
         ref = self.manifest.chunk(index)
-        with open(self.staging / ref.path, "r+b") as f:
+        with open(self._paths[ref.path], "r+b") as f:
             f.seek(ref.offset)
             f.write(data)
         self.missing.discard(index)

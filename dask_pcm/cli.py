@@ -40,7 +40,13 @@ def _answer(question: str) -> str:
     default=None,
     help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct).",
 )
-@click.option("--workers", default=2, show_default=True, help="Local worker processes.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Local worker processes.",
+)
 @click.option(
     "--level", type=click.Choice(["full", "partial", "agnostic"]), default="full", show_default=True
 )
@@ -139,7 +145,7 @@ def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
 )
 @click.option(
     "--workers",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Local worker processes (default: one per core), or the most worker jobs (default 4).",
 )
@@ -154,6 +160,8 @@ def fever(json_path: str | None, **options: Any) -> None:
     from dask_pcm.fever.run import run_fever
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if json_path:
+        _check_writable(json_path, "--json")  # before the run, not after it
     try:
         result = run_fever(**options)
     except (PCMError, ValueError, OSError) as exc:
@@ -169,9 +177,28 @@ def fever(json_path: str | None, **options: Any) -> None:
     )
     if json_path:
         payload = {"summary": result.summary.to_dict("records"), "report": report}
-        with open(json_path, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
+        try:
+            with open(json_path, "w") as f:
+                json.dump(payload, f, indent=2, default=str)
+        except OSError as exc:
+            raise click.ClickException(
+                f"--json {json_path}: cannot write the report: {exc}"
+            ) from exc
         click.echo(f"summary and report written to {json_path}")
+
+
+def _check_writable(path: str, option: str) -> None:
+    """Create the parent folders of ``path`` and check a file can be written there."""
+    import os
+    from pathlib import Path
+
+    parent = Path(path).expanduser().absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.ClickException(f"{option} {path}: cannot create its folder: {exc}") from exc
+    if not os.access(parent, os.W_OK):
+        raise click.ClickException(f"{option} {path}: folder {parent} is not writable")
 
 
 def pd_options() -> Any:

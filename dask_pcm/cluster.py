@@ -75,6 +75,9 @@ def local_cluster(
     """
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1))
+    elif n_workers < 1:
+        # LocalCluster(n_workers=0) starts fine and then waits forever for a worker.
+        raise ValueError(f"n_workers must be at least 1, got {n_workers}")
     kwargs.setdefault("worker_class", Nanny)
     kwargs.setdefault("processes", True)
     return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, **kwargs)

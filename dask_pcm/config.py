@@ -59,7 +59,7 @@ def ready_timeout() -> float | None:
     value = get("worker.ready-timeout")
     if value is None:
         return None
-    return float(dask.utils.parse_timedelta(value, default="s"))
+    return _seconds(value)
 
 
 def context_memory_limit() -> int | None:
@@ -82,3 +82,32 @@ def source_bandwidth() -> Any:
     from dask_pcm.throttle import SharedBandwidth
 
     return SharedBandwidth(float(dask.utils.parse_bytes(value)), name="template-source")
+
+
+def _seconds(value: Any) -> float:
+    return float(dask.utils.parse_timedelta(value, default="s"))
+
+
+def peer_connect_timeout() -> float:
+    """Seconds to connect to a peer for a chunk (``pcm.template.peer-connect-timeout``)."""
+    return _seconds(get("template.peer-connect-timeout", "5s"))
+
+
+def peer_deadline(nbytes: int) -> float:
+    """Seconds a peer may take to deliver a chunk of ``nbytes``, connecting included.
+
+    The connect timeout plus the time the chunk takes at ``pcm.template.peer-min-bandwidth``
+    (bytes per second; ``"8 MiB"`` and ``"8 MiB/s"`` both read as 8 MiB per second).
+    """
+    text = str(get("template.peer-min-bandwidth", "8 MiB")).strip()
+    text = text[:-2].strip() if text.lower().endswith("/s") else text
+    rate = float(dask.utils.parse_bytes(text))
+    if rate <= 0:
+        raise ValueError(f"pcm.template.peer-min-bandwidth must be positive, got {text!r}")
+    return peer_connect_timeout() + nbytes / rate
+
+
+def fetch_timeout() -> float | None:
+    """Seconds one template copy may take in all (``pcm.template.fetch-timeout``), or None."""
+    value = get("template.fetch-timeout")
+    return None if value is None else _seconds(value)

@@ -46,3 +46,19 @@ class FeverFormatError(PCMError, ValueError):
     The message names the file and, where there is one, the 1-based line or template number,
     as in ``paper_dev.jsonl:3: unknown label 'MAYBE'``.
     """
+
+
+class ChunkError(PCMError):
+    """A template chunk or manifest is wrong: a chunk that does not match its SHA-256 or size,
+    an index out of range, or a manifest whose digest or file names are invalid."""
+
+
+class TemplateFetchError(PCMError):
+    """A worker could not assemble a context's template: no peer delivered, the source could
+    not be read, or the copy ran past ``pcm.template.fetch-timeout``. The message names each
+    peer and what it did."""
+
+
+class OutputFolderError(PCMError, ValueError):
+    """A ``run_fever`` output folder cannot be used: in use by another run, holding another
+    run's predictions, or not writable. The message names the folder and what to do."""

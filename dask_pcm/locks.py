@@ -39,6 +39,36 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
         os.close(fd)
 
 
+def try_lock(path: str | os.PathLike[str], note: str) -> int:
+    """Take an exclusive ``flock`` on ``path`` without waiting; return its descriptor.
+
+    ``note`` (who holds it) is written into the file for the next one to read. Raises
+    :class:`BlockingIOError` carrying the holder's note when another process holds it.
+    Release with :func:`unlock`.
+    """
+    fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 1024, 0).decode(errors="replace").strip() or "holder unknown"
+        os.close(fd)
+        raise BlockingIOError(holder) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, note.encode(), 0)
+    return fd
+
+
+def unlock(fd: int) -> None:
+    """Release a lock taken with :func:`try_lock`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def host_slot(name: str, slots: int = 1) -> Iterator[int]:
     """Take one of ``slots`` host-wide slots called ``name``; yields the slot number.

@@ -187,6 +187,8 @@ class ContextScheduler(SchedulerPlugin):
         # worker is reading which chunk from the source (a lease, with its expiry).
         self.chunk_holders: dict[str, dict[int, set[str]]] = {}
         self.source_leases: dict[str, dict[int, tuple[str, float]]] = {}
+        # Workers that served a chunk failing verification: not offered for it again.
+        self.bad_holders: dict[str, dict[int, set[str]]] = {}
         # Load durations observed (for the Prometheus histogram), per context.
         self.load_durations: dict[str, list[float]] = {}
         self.scheduler: Scheduler | None = None
@@ -225,9 +227,10 @@ class ContextScheduler(SchedulerPlugin):
         self._refresh(list(self.levels), stimulus_id=f"pcm-add-worker-{time.time()}")
 
     def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
-        for holders in self.chunk_holders.values():
-            for who in holders.values():
-                who.discard(worker)
+        for directory in (self.chunk_holders, self.bad_holders):
+            for holders in directory.values():
+                for who in holders.values():
+                    who.discard(worker)
         for leases in self.source_leases.values():
             for index in [i for i, (w, _) in leases.items() if w == worker]:
                 del leases[index]
@@ -531,6 +534,7 @@ class ContextScheduler(SchedulerPlugin):
         now = time.time()
         whole = set(self.template_sources(digest))
         holders = self.chunk_holders.setdefault(digest, {})
+        bad = self.bad_holders.get(digest, {})
         leases = self.source_leases.setdefault(digest, {})
         for index in [i for i, (_, until) in leases.items() if until < now]:
             del leases[index]
@@ -538,7 +542,7 @@ class ContextScheduler(SchedulerPlugin):
         peers: dict[int, list[str]] = {}
         source: list[int] = []
         for index in missing:
-            who = sorted((holders.get(index, set()) | whole) - {worker})
+            who = sorted((holders.get(index, set()) | whole) - bad.get(index, set()) - {worker})
             if who:
                 random.shuffle(who)
                 peers[index] = who
@@ -555,15 +559,29 @@ class ContextScheduler(SchedulerPlugin):
         indexes: list[int],
         released: list[int] | None = None,
         lost: list[int] | None = None,
+        bad: list[int] | None = None,
     ) -> None:
         """RPC handler: ``worker`` now holds ``indexes``; its leases on ``released`` end;
-        it no longer offers ``lost`` (it failed to serve them, or gave up its copy)."""
+        it no longer offers ``lost`` (it failed to serve them, or gave up its copy); it
+        served ``bad`` with the wrong bytes, so nobody is sent to it for them again."""
         if self.scheduler is None or worker not in self.scheduler.workers:
             return
         holders = self.chunk_holders.setdefault(digest, {})
         leases = self.source_leases.setdefault(digest, {})
         for index in lost or ():
             holders.get(index, set()).discard(worker)
+        if bad:
+            marked = self.bad_holders.setdefault(digest, {})
+            first = not any(worker in who for who in marked.values())
+            for index in bad:
+                marked.setdefault(index, set()).add(worker)
+            if first:  # once per worker and template: its copy is damaged
+                logger.warning(
+                    "%s served corrupted chunk(s) %s of template %s...: no longer offered for them",
+                    worker,
+                    bad,
+                    digest[:12],
+                )
         for index in indexes:
             holders.setdefault(index, set()).add(worker)
             leases.pop(index, None)

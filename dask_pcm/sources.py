@@ -157,11 +157,39 @@ def template_files(resolved: ResolvedSource) -> list[Path]:
     """
     if resolved.kind == "gguf":
         return [resolved.path]
-    return sorted(
+    files = sorted(
         p
         for p in resolved.path.iterdir()
         if p.is_file() and _is_safe(p.name) and not p.name.lower().endswith(".gguf")
     )
+    _check_links(resolved, files)
+    return files
+
+
+def _check_links(resolved: ResolvedSource, files: list[Path]) -> None:
+    """Refuse template files that are links to places outside the model.
+
+    Links are followed only where they stay inside the model directory or a Hugging Face
+    cache (whose snapshots link each file to ``../../blobs/<hash>``): a template is copied to
+    workers and served to peers, and must not carry a file from anywhere else on the machine.
+    """
+    links = [p for p in files if p.is_symlink()]
+    if not links:
+        return
+    roots = [resolved.path.resolve()]
+    if resolved.path.parent.name == "snapshots":  # a snapshot inside a hub cache's repo folder
+        roots.append(resolved.path.parent.parent.resolve())
+    from huggingface_hub import constants
+
+    roots.append(Path(constants.HF_HUB_CACHE).expanduser().resolve())
+    for link in links:
+        target = link.resolve()
+        if not any(target.is_relative_to(root) for root in roots):
+            raise ModelSourceError(
+                f"model directory '{resolved.path}': '{link.name}' is a symbolic link to "
+                f"'{target}', outside the model directory and the Hugging Face cache; copy the "
+                "file into the directory (links are followed only inside it)"
+            )
 
 
 def stage_template(

@@ -227,12 +227,14 @@ class ContextPlugin(WorkerPlugin):
     def _materialise(self) -> None:
         concurrency = int(config.get("worker.load-concurrency", 1))
         try:
+            if self.manifest is not None and self.level != "agnostic":
+                # Outside the host's load slot: a copy waits on the network (peers, the
+                # chunk directory), and must not keep the host's other loads waiting.
+                self._fetch_template()
             with host_slot("context-load", concurrency):
                 if self._closed:
                     return
-                if self.manifest is not None and self.level != "agnostic":
-                    self._fetch_template()
-                elif self.level == "partial":
+                if self.manifest is None and self.level == "partial":
                     self._stage()
                 elif self.level == "agnostic":
                     self.template_bytes = _source_bytes(self.context.template)
@@ -270,16 +272,36 @@ class ContextPlugin(WorkerPlugin):
                     _describe(exc),
                 )
                 return
-            self._set_state(FAILED, _describe(exc))
+            self._set_state(FAILED, self._explain(exc))
             logger.error(
                 "Context %r failed on %s: %s", self.context.name, self.worker_address, self.error
             )
         finally:
             self._event.set()
 
+    def _explain(self, exc: BaseException) -> str:
+        """The failure as the user should read it: a build from the worker's own copy of
+        the template also names the user's source, where a damaged file must be fixed."""
+        from dask_pcm.exceptions import ChunkError, TemplateFetchError
+
+        text = _describe(exc)
+        template = self.context.template
+        if isinstance(exc, (ChunkError, TemplateFetchError)) or not self.location:
+            return text  # the copy failed, not the build: its message says where and why
+        if template and self.location != template:
+            return f"{text} (building from {self.location!r}, this worker's copy of {template!r})"
+        return f"{text} (building from {self.location!r})"
+
     def _fetch_template(self) -> None:
-        """Get the template into worker-local disk from peers (else the source); serve it."""
-        from dask_pcm.chunks import MANIFEST_NAME, ChunkError, Manifest
+        """Get the template into worker-local disk from peers (else the source); serve it.
+
+        A copy left by an earlier worker in the same folder is verified chunk by chunk
+        before it is used or served, and fetched again if any chunk is wrong.
+        """
+        import shutil
+
+        from dask_pcm.chunks import MANIFEST_NAME, Manifest, verify_copy
+        from dask_pcm.exceptions import TemplateFetchError
         from dask_pcm.locks import file_lock
         from dask_pcm.p2p import TemplateStore
 
@@ -288,33 +310,49 @@ class ContextPlugin(WorkerPlugin):
         base = Path(self._template_dir)
         base.mkdir(parents=True, exist_ok=True)
         dest = base / manifest.digest[:16]
+        store = TemplateStore.of(self._worker)
         with file_lock(base / f".{manifest.digest[:16]}.lock"):
+            if (dest / MANIFEST_NAME).is_file() and manifest.digest not in store.held:
+                bad = verify_copy(dest, manifest)
+                if bad:
+                    logger.warning(
+                        "Local copy %s of the template of %r has %d chunk(s) that do not match "
+                        "its manifest (e.g. %s): fetching it again",
+                        dest,
+                        self.context.name,
+                        len(bad),
+                        bad[:5],
+                    )
+                    shutil.rmtree(dest)
             if not (dest / MANIFEST_NAME).is_file():
                 source, problem = self._source_root()
                 loop = self._worker.loop.asyncio_loop  # type: ignore[attr-defined]
                 future = asyncio.run_coroutine_threadsafe(self._fetch(manifest, dest, source), loop)
                 try:
                     _, report = future.result()
-                except ChunkError as exc:
-                    raise ChunkError(
-                        f"{exc}; the source: {problem}" if problem else str(exc)
-                    ) from exc
+                except TemplateFetchError as exc:
+                    if not problem:
+                        raise
+                    raise TemplateFetchError(f"{exc}; the source: {problem}") from exc
                 with self._lock:
                     self.bytes_from_peers += report.bytes_from_peers
                     self.bytes_from_source += report.bytes_from_source
                     self.corrupted_chunks += report.corrupted
                     self.fetch_seconds += report.seconds
-                logger.info(
+                troubled = report.corrupted or report.failed_peers
+                logger.log(
+                    logging.WARNING if troubled else logging.INFO,
                     "Template of %r fetched on %s: %d bytes from peers, %d from the source, "
-                    "%d corrupted chunk(s) refetched, %.2f s",
+                    "%d corrupted chunk(s) discarded, %.2f s; peers: %s",
                     self.context.name,
                     self.worker_address,
                     report.bytes_from_peers,
                     report.bytes_from_source,
                     report.corrupted,
                     report.seconds,
+                    report.describe_peers(),
                 )
-        TemplateStore.of(self._worker).add(dest, manifest)
+        store.add(dest, manifest)
         single = manifest.files[0].path if len(manifest.files) == 1 else ""
         with self._lock:
             self.template_digest = manifest.digest
@@ -518,8 +556,8 @@ class ContextPlugin(WorkerPlugin):
                 self.active -= 1
             raise ContextLoadError(
                 f"context {self.context.name!r} failed to load on worker "
-                f"{self.worker_address} from {self.location!r}: {_describe(exc)}",
-                {self.worker_address: _describe(exc)},
+                f"{self.worker_address}: {self._explain(exc)}",
+                {self.worker_address: self._explain(exc)},
             ) from exc
 
     def done(self, value: Any, owned: bool) -> None:

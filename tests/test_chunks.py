@@ -116,3 +116,26 @@ def test_a_gguf_template_is_the_file_itself(tiny_gguf_file):
 def test_a_missing_source_is_a_model_source_error(tmp_path):
     with pytest.raises(ModelSourceError):
         build_manifest(tmp_path / "nothing-here", 64 * KIB)
+
+
+@pytest.mark.parametrize("bad", ["../escaped", "/tmp/escaped", "sub/escaped", ".hidden", ".."])
+def test_manifests_naming_files_outside_the_copy_are_refused(model_copy, tmp_path, bad):
+    """A manifest travels to every worker, which writes the files it names: a traversal
+    (``..``, an absolute path, a separator, a hidden name) is refused before any write."""
+    manifest, _ = build_manifest(model_copy, 64 * KIB)
+    data = manifest.to_dict()
+    data["files"][0]["path"] = bad
+    with pytest.raises(ChunkError, match="plain names"):
+        Manifest.from_dict(data)
+    # A Manifest built in code skips from_dict: the writer checks every path itself.
+    first = manifest.files[0]
+    crafted = Manifest(
+        manifest.chunk_size,
+        (type(first)(bad, first.size, first.chunks), *manifest.files[1:]),
+        manifest.digest,
+    )
+    dest = tmp_path / "deep" / "copy"
+    with pytest.raises(ChunkError):
+        TemplateWriter(crafted, dest)
+    assert not (tmp_path / "deep" / "escaped").exists()
+    assert not Path("/tmp/escaped").exists()

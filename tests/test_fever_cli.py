@@ -12,7 +12,7 @@ from dask_pcm.fever import write_demo
 
 def test_fever_prints_summary_and_writes_json(tiny_model_dir, tmp_path):
     data = write_demo(tmp_path / "claims.jsonl")
-    report_path = tmp_path / "run.json"
+    report_path = tmp_path / "reports" / "today" / "run.json"  # folders created up front
     args = [
         "fever", "--data", str(data), "--model", str(tiny_model_dir), "--num-templates", "2",
         "--batch-size", "8", "--limit", "12", "--workers", "1", "--json", str(report_path),

@@ -72,7 +72,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
     assert first.predictions.sort_values(key, ignore_index=True).equals(
         second.predictions.sort_values(key, ignore_index=True)
     )
-    with pytest.raises(ValueError, match="other parameters"):
+    with pytest.raises(ValueError, match="batch_size differs"):
         run_fever(model=tiny_model_dir, cluster=client, batch_size=4, output=out, progress=False)
 
 

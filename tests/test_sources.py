@@ -216,6 +216,43 @@ def test_template_files_of_a_directory(tiny_model_dir, tmp_path):
     ]
 
 
+def test_a_link_out_of_the_model_directory_is_refused(tiny_model_dir, tmp_path):
+    """A template is copied to workers and served to peers: a link must not carry a file
+    from elsewhere on the machine into it."""
+    model = _model_copy(tiny_model_dir, tmp_path / "m")
+    elsewhere = tmp_path / "private"
+    elsewhere.mkdir()
+    (elsewhere / "secrets.json").write_text('{"token": "x"}')
+    (model / "tokenizer_config.json").unlink()
+    (model / "tokenizer_config.json").symlink_to(elsewhere / "secrets.json")
+    with pytest.raises(
+        ModelSourceError, match=r"'tokenizer_config\.json' is a symbolic link to"
+    ) as e:
+        template_files(resolve_source(model))
+    assert str(elsewhere / "secrets.json") in str(e.value) and str(model) in str(e.value)
+    with pytest.raises(ModelSourceError, match="symbolic link"):
+        stage_template(model, tmp_path / "staged")
+
+
+def test_links_inside_the_model_directory_or_a_hub_cache_are_followed(tiny_model_dir, tmp_path):
+    model = _model_copy(tiny_model_dir, tmp_path / "m")
+    (model / "weights").mkdir()
+    (model / "model.safetensors").rename(model / "weights" / "real.safetensors")
+    (model / "model.safetensors").symlink_to(model / "weights" / "real.safetensors")
+    assert "model.safetensors" in [p.name for p in template_files(resolve_source(model))]
+    # A hub cache's layout (anywhere on disk): snapshots/<rev>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "cache" / "models--someone--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abcd", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for f in tiny_model_dir.iterdir():
+        shutil.copyfile(f, blobs / f"hash-{f.name}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"hash-{f.name}")
+    files = template_files(resolve_source(snapshot))
+    expected = template_files(resolve_source(tiny_model_dir))
+    assert [p.name for p in files] == [p.name for p in expected]
+
+
 def test_template_files_of_a_gguf_file(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")

@@ -3,20 +3,19 @@
 The work is a grid of *units*, one per (template, batch of claims). Each unit is one task that
 uses the resident model context (:func:`dask_pcm.get_context`) and returns one prediction row
 per claim. With ``output=`` every finished unit is written at once as its own Parquet file in
-the output folder (written to a hidden temporary name, then renamed), so a run that is killed
-keeps what it finished, a rerun computes only the missing units, and no row is written twice.
-"""
+the output folder (:mod:`dask_pcm.fever.store`: locked for the run, atomic parts, resume keyed
+on what determines a prediction), so a run that is killed keeps what it finished, a rerun
+computes only the missing units, and no row is written twice."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import logging
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dask_pcm
@@ -29,6 +28,7 @@ from dask_pcm.fever.data import (
     sample_claims,
 )
 from dask_pcm.fever.scoring import UNPARSEABLE, check_method, score_generate, score_logits
+from dask_pcm.fever.store import OutputStore
 from dask_pcm.fever.templates import PromptTemplate, get_templates
 
 if TYPE_CHECKING:
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CONTEXT = "fever-llm"
-_MANIFEST = "_dask_pcm_run.json"
 
 
 @dataclass
@@ -51,8 +50,9 @@ class FeverResult:
         One row per template, best first: ``template, accuracy, n, macro_f1``, the recall of
         each label (``recall_SUPPORTS``...) and ``unparseable``.
     predictions
-        One row per claim and template: ``claim_id, template, label, predicted`` and the
-        scores (``score_<LABEL>`` for method logits, ``generated`` for generate).
+        One row per claim and template: ``claim_id, template, label, predicted``, the
+        scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
+        ``model_digest`` (the model's content digest, :func:`model_digest`).
     report
         ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``workers``
         (per worker: context loads, load seconds and the context tasks it ran in this run).
@@ -138,14 +138,16 @@ def run_fever(
     method : {"logits", "generate"}
     output : path, optional
         Folder of Parquet files, one per finished unit; rerunning with the same folder
-        resumes. It must not hold a run with other parameters.
+        resumes. It is locked while the run lasts, and must not hold predictions made with
+        other model contents, loader options, method, batch size, claims, or other
+        templates of the same name (the error names what differs).
     errors : {"raise", "skip"}
         What to do with malformed lines of ``data``.
     num_templates : int, optional
         Keep the first N templates.
     workers : int, optional
         Worker processes of the local cluster, or the most worker jobs of a batch cluster
-        (``cluster`` given as a string only).
+        (``cluster`` given as a string only); at least 1.
     progress : bool
         Show a progress bar over units.
 
@@ -164,6 +166,8 @@ def run_fever(
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if errors not in ("raise", "skip"):
         raise ValueError(f"errors must be 'raise' or 'skip', not {errors!r}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     claims = demo_claims() if data is None else load_claims(data, errors=errors)  # type: ignore[arg-type]
     if limit is not None:
         claims = sample_claims(claims, limit, seed=seed)
@@ -173,29 +177,28 @@ def run_fever(
         for t in chosen
         for i, start in enumerate(range(0, len(claims), batch_size))
     ]
-    store = (
-        _Store(Path(output), _run_params(claims, chosen, model, method, batch_size))
-        if output
-        else None
-    )
-    done = store.done() if store else set()
-    todo = [u for u in units if u.name not in done]
+    context = dask_pcm.causal_lm(model, name=CONTEXT)
+    provenance = _provenance(context, claims, chosen, method, batch_size)
 
     start = time.perf_counter()
-    client, owned = _client(cluster, workers)
-    try:
-        dask_pcm.register(client, dask_pcm.causal_lm(model, name=CONTEXT), level=level)
-        before = _tasks_by_worker(client)
-        rows = _compute(client, todo, method, store, progress)
-        after = dask_pcm.status(client, [CONTEXT])
-    finally:
-        if owned:
-            cluster_obj = client.cluster
-            client.close()
-            if cluster_obj is not None:
-                cluster_obj.close()
-    if store:
-        rows = store.read([u.name for u in units])
+    with contextlib.ExitStack() as stack:
+        store = stack.enter_context(OutputStore(output, provenance)) if output else None
+        done = store.done({u.name: len(u.claims) for u in units}) if store else set()
+        todo = [u for u in units if u.name not in done]
+        client, owned = _client(cluster, workers)
+        try:
+            dask_pcm.register(client, context, level=level)
+            before = _tasks_by_worker(client)
+            rows = _compute(client, todo, method, store, provenance["model_digest"], progress)
+            after = dask_pcm.status(client, [CONTEXT])
+        finally:
+            if owned:
+                cluster_obj = client.cluster
+                client.close()
+                if cluster_obj is not None:
+                    cluster_obj.close()
+        if store:
+            rows = store.read([u.name for u in units])
     import pandas as pd
 
     predictions = pd.DataFrame(rows)
@@ -273,7 +276,12 @@ def _tasks_by_worker(client: Client) -> dict[str, int]:
 
 
 def _compute(
-    client: Client, todo: list[_Unit], method: str, store: _Store | None, progress: bool
+    client: Client,
+    todo: list[_Unit],
+    method: str,
+    store: OutputStore | None,
+    model_digest: str,
+    progress: bool,
 ) -> list[dict[str, Any]]:
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
@@ -315,6 +323,8 @@ def _compute(
                     queue.add(again)
                     continue
                 raise result
+            for row in result:
+                row["model_digest"] = model_digest
             if store:
                 store.write(unit.name, result)
             else:
@@ -344,58 +354,53 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     return tqdm(total=total, desc="units", unit="unit")
 
 
-def _run_params(
-    claims: ClaimSet, templates: list[PromptTemplate], model: Any, method: str, batch_size: int
+def _provenance(
+    context: Any, claims: ClaimSet, templates: list[PromptTemplate], method: str, batch_size: int
 ) -> dict[str, Any]:
+    """What determines this run's predictions, for the output folder (see ``store.py``)."""
+    import dataclasses
+
     digest = hashlib.sha256()
     for c in claims.claims:
         digest.update(f"{c.id}\t{c.label}\t{c.claim}\n".encode())
+    loader = context.loader
+    options: Any = repr(loader)
+    if dataclasses.is_dataclass(loader) and not isinstance(loader, type):
+        options = dataclasses.asdict(loader)
     return {
-        "model": "embedded" if model is None else os.fspath(model),
+        "model": context.template,
+        "model_digest": model_digest(context.template),
+        "loader": {"class": type(loader).__qualname__, "options": options},
         "method": method,
         "batch_size": batch_size,
         "claims": digest.hexdigest(),
-        "templates": {t.name: hashlib.sha256(repr(t).encode()).hexdigest() for t in templates},
+        "templates": {
+            t.name: {"text": t.text, "chat": t.chat, "answers": list(t.answers)} for t in templates
+        },
     }
 
 
-class _Store:
-    """A folder of Parquet files, one per finished unit, plus the run's parameters."""
+# Provenance hashes the model in chunks of this size whatever pcm.template.chunk-size is, so
+# that a digest recorded in an output folder does not change with that setting.
+_PROVENANCE_CHUNK = 64 * 2**20
 
-    def __init__(self, root: Path, params: dict[str, Any]) -> None:
-        if root.exists() and not root.is_dir():
-            raise ValueError(f"output {root} is a file; give a folder name (e.g. preds.parquet)")
-        root.mkdir(parents=True, exist_ok=True)
-        manifest = root / _MANIFEST
-        if manifest.exists():
-            old = json.loads(manifest.read_text())
-            same = {k: v for k, v in params.items() if k != "templates"}
-            if {k: old.get(k) for k in same} != same:
-                raise ValueError(
-                    f"output {root} holds a run with other parameters ({old}); "
-                    "use another output folder or delete this one"
-                )
-            changed = [n for n, h in params["templates"].items() if old["templates"].get(n, h) != h]
-            if changed:
-                raise ValueError(f"output {root}: templates {changed} changed since it was written")
-            params = {**params, "templates": {**old["templates"], **params["templates"]}}
-        tmp = root / f".{_MANIFEST}.tmp"
-        tmp.write_text(json.dumps(params, indent=1))
-        os.replace(tmp, manifest)
-        self.root = root
 
-    def done(self) -> set[str]:
-        return {p.stem for p in self.root.glob("*.parquet")}
+def model_digest(model: str | os.PathLike[str] | None) -> str:
+    """The content digest of a model: what it is, whatever path names it.
 
-    def write(self, name: str, rows: list[dict[str, Any]]) -> None:
-        import pandas as pd
+    For a local directory, ``.gguf`` file or the embedded model, the SHA-256 of its template
+    files (:func:`dask_pcm.chunks.build_manifest`, cached by path, size and modification
+    time); for a hub id, ``hub:<id>@<revision>`` of the local snapshot.
 
-        tmp = self.root / f".{name}.{os.getpid()}.tmp"
-        pd.DataFrame(rows).to_parquet(tmp, index=False)
-        os.replace(tmp, self.root / f"{name}.parquet")
+    Raises
+    ------
+    ModelSourceError
+        The model cannot be found (the message names the path).
+    """
+    from dask_pcm.chunks import build_manifest
+    from dask_pcm.sources import resolve_source
 
-    def read(self, names: list[str]) -> list[dict[str, Any]]:
-        import pandas as pd
-
-        frames = [pd.read_parquet(self.root / f"{n}.parquet") for n in names]
-        return pd.concat(frames, ignore_index=True).to_dict("records") if frames else []
+    resolved = resolve_source(model)
+    if resolved.kind == "hub":
+        return f"hub:{resolved.origin}@{resolved.path.name}"
+    return build_manifest(model, _PROVENANCE_CHUNK)[0].digest

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ VERBALISATIONS: dict[str, tuple[str, ...]] = {
 }
 
 _DEFAULT_ANSWERS: tuple[str, str, str] = ("True", "False", "Unknown")
+
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,11 @@ class PromptTemplate:
     answers: tuple[str, str, str] = _DEFAULT_ANSWERS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ValueError(
+                f"template name {self.name!r} is not allowed: use letters, digits, '.', '_' "
+                "and '-', not starting with '.' (names become file names in an output folder)"
+            )
         if PLACEHOLDER not in self.text:
             raise ValueError(f"template {self.name!r} has no {PLACEHOLDER}; it needs {PLACEHOLDER}")
         answers = () if isinstance(self.answers, str) else tuple(self.answers)
@@ -305,7 +313,7 @@ def _from_text(content: str, name: str, stem: str) -> list[PromptTemplate]:
         if not "".join(lines).strip():
             continue  # blank space around separators, or a trailing separator
         number += 1
-        fields: dict[str, Any] = {"name": f"{stem}-{number}"}
+        fields: dict[str, Any] = {"name": f"{_safe_stem(stem)}-{number}"}
         while lines and lines[0].startswith("#") and ":" in lines[0]:
             key, _, value = lines[0].lstrip("#").partition(":")
             key = key.strip().lower()
@@ -359,6 +367,11 @@ def _make(fields: dict[str, Any], name: str, number: int) -> PromptTemplate:
         return PromptTemplate(**fields)
     except ValueError as e:
         raise FeverFormatError(f"{name}: template {number}: {e}") from None
+
+
+def _safe_stem(stem: str) -> str:
+    """A file's stem made a valid template name prefix (``my prompts`` -> ``my_prompts``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", stem).lstrip(".")[:80] or "templates"
 
 
 def _looks_like_file(item: str) -> bool:

@@ -1,0 +1,162 @@
+"""run_fever's output folder under faults: provenance-keyed resume, a lock, damaged parts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dask_pcm.exceptions import FeverFormatError, OutputFolderError
+from dask_pcm.fever.run import model_digest, run_fever
+from dask_pcm.fever.store import LOCK
+
+
+@pytest.fixture
+def client(inproc_cluster):
+    return inproc_cluster[1]
+
+
+@pytest.fixture
+def model(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny model the test may change."""
+    return Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+
+
+def _run(client, model, out, **kwargs):
+    options = {"num_templates": 2, "batch_size": 10, "progress": False, **kwargs}
+    return run_fever(model=model, cluster=client, output=out, **options)
+
+
+def test_rows_carry_the_model_digest_and_the_same_model_by_a_relative_path_resumes(
+    client, model, tmp_path, monkeypatch
+):
+    out = tmp_path / "preds.parquet"
+    first = _run(client, model, out)
+    assert set(first.predictions["model_digest"]) == {model_digest(model)}
+    monkeypatch.chdir(tmp_path)
+    again = _run(client, "model", "preds.parquet")  # the same files, named another way
+    assert again.report["units"] == {"total": 6, "computed": 0, "reused": 6}
+    assert len(again.predictions) == 60
+
+
+def test_changed_model_files_at_the_same_path_refuse_to_resume(client, model, tmp_path):
+    """Rewriting the model behind the same path must not mix old and new predictions."""
+    out = tmp_path / "preds.parquet"
+    _run(client, model, out)
+    config = model / "config.json"
+    config.write_text(config.read_text() + "\n")  # other bytes, same path
+    with pytest.raises(OutputFolderError, match=r"model_digest differs") as caught:
+        _run(client, model, out)
+    assert str(out) in str(caught.value) and "delete" in str(caught.value)
+    assert len(pd.read_parquet(out)) == 60  # nothing added to the folder
+
+
+def test_a_changed_template_refuses_to_resume_and_names_it(client, model, tmp_path):
+    out = tmp_path / "preds.parquet"
+    mine = tmp_path / "mine.json"
+    mine.write_text('[{"name": "mine", "text": "Claim: {claim}\\nAnswer:"}]')
+    _run(client, model, out, templates=str(mine), limit=6)
+    mine.write_text('[{"name": "mine", "text": "Statement: {claim}\\nAnswer:"}]')
+    with pytest.raises(OutputFolderError, match=r"template 'mine' changed \(text\)"):
+        _run(client, model, out, templates=str(mine), limit=6)
+
+
+def test_a_zero_byte_part_is_set_aside_and_its_unit_computed_again(client, model, tmp_path, caplog):
+    out = tmp_path / "preds.parquet"
+    _run(client, model, out)
+    part = sorted(out.glob("*.parquet"))[0]
+    part.write_bytes(b"")  # a crash or a full disk
+    with caplog.at_level(logging.WARNING, logger="dask_pcm"):
+        again = _run(client, model, out)
+    assert again.report["units"] == {"total": 6, "computed": 1, "reused": 5}
+    assert any(part.name in r.getMessage() for r in caplog.records)
+    assert [p.name for p in out.glob(f".{part.name}.unreadable-*")]  # kept, out of the way
+    table = pd.read_parquet(out)
+    assert len(table) == 60 and not table.duplicated(["claim_id", "template"]).any()
+
+
+def test_temporary_files_of_a_killed_run_are_removed(client, model, tmp_path):
+    out = tmp_path / "preds.parquet"
+    _run(client, model, out)
+    stale = out / ".direct--00000.parquet.4242.0123abcd.tmp"  # what a killed run leaves
+    stale.write_bytes(b"half a parquet file")
+    _run(client, model, out)
+    assert not stale.exists()
+
+
+def test_a_template_name_that_escapes_the_folder_is_refused(client, model, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"name": "./../x", "text": "Claim: {claim}\\nAnswer:"}]')
+    with pytest.raises(FeverFormatError, match=r"bad.json: template 1: template name '\./\.\./x'"):
+        _run(client, model, tmp_path / "out" / "preds", templates=str(bad))
+    assert not list(tmp_path.glob("**/x--*"))
+
+
+def test_a_second_run_on_the_same_folder_fails_at_once(model, tmp_path):
+    """Two real runs on one folder: the second stops at once, naming the first; the first
+    completes, every row once."""
+    out = tmp_path / "preds.parquet"
+    cmd = [
+        sys.executable, "-m", "dask_pcm.cli", "fever", "--model", str(model), "--workers", "1",
+        "--num-templates", "2", "--batch-size", "10", "--output", str(out),
+    ]  # fmt: skip
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((out / LOCK).exists() and (out / LOCK).read_text()):
+            assert first.poll() is None, first.communicate()[0]
+            assert time.monotonic() < deadline, "the first run never locked its folder"
+            time.sleep(0.02)
+        started = time.monotonic()
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        assert time.monotonic() - started < 30  # no cluster started, no model loaded
+        assert "in use by another run" in second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        output, _ = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, output
+    table = pd.read_parquet(out)
+    assert len(table) == 60 and not table.duplicated(["claim_id", "template"]).any()
+
+
+def test_workers_below_one_is_a_clear_error_not_a_hang(tmp_path):
+    import dask_pcm
+
+    done = subprocess.run(
+        [sys.executable, "-m", "dask_pcm.cli", "fever", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "--workers" in done.stderr and "Traceback" not in done.stderr
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        run_fever(workers=-1, progress=False)
+    with pytest.raises(ValueError, match="n_workers must be at least 1"):
+        dask_pcm.local_cluster(n_workers=0)
+
+
+def test_a_damaged_weights_file_names_the_users_path_and_the_workers_copy(model):
+    from click.testing import CliRunner
+
+    from dask_pcm.cli import main
+
+    with open(model / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 8)  # the header length: garbage
+    args = ["fever", "--model", str(model), "--workers", "1", "--num-templates", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    assert f"this worker's copy of '{model}'" in result.output
+    assert os.sep + "pcm-templates" + os.sep in result.output  # the copy it built from
