@@ -25,12 +25,15 @@ from dask_pcm.cluster import Nanny, local_cluster
 from dask_pcm.context import Context, causal_lm
 from dask_pcm.embedded import build_tiny_llama, embedded_model_dir
 from dask_pcm.exceptions import (
+    ChunkError,
     ContextLoadError,
     ContextNotFoundError,
     ContextTimeoutError,
     FeverFormatError,
     ModelSourceError,
+    OutputFolderError,
     PCMError,
+    TemplateFetchError,
 )
 from dask_pcm.fever.run import FeverResult, run_fever
 from dask_pcm.llm import CausalLM, LanguageModel
@@ -43,6 +46,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "CausalLM",
+    "ChunkError",
     "Context",
     "ContextLoadError",
     "ContextNotFoundError",
@@ -53,7 +57,9 @@ __all__ = [
     "LanguageModel",
     "ModelSourceError",
     "Nanny",
+    "OutputFolderError",
     "PCMError",
+    "TemplateFetchError",
     "__version__",
     "batch_cluster",
     "build_tiny_llama",

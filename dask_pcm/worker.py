@@ -117,7 +117,9 @@ class ContextPlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._closed = False
-        self.state = LOADING if self.level == "full" else FETCHING
+        # Fetching while the template is copied (or staged), then loading the context.
+        copies = self.manifest is not None or self.level != "full"
+        self.state = FETCHING if copies else LOADING
         self.error: str | None = None
         self.location: str = self.context.template or ""
         self.loads = 0
@@ -231,6 +233,8 @@ class ContextPlugin(WorkerPlugin):
                 # Outside the host's load slot: a copy waits on the network (peers, the
                 # chunk directory), and must not keep the host's other loads waiting.
                 self._fetch_template()
+                if self.level == "full":
+                    self._set_state(LOADING)
             with host_slot("context-load", concurrency):
                 if self._closed:
                     return

@@ -553,3 +553,92 @@ def test_a_reused_local_copy_is_verified_before_it_is_used_or_served(tiny_model_
             _damage(copy / "model.safetensors", [100 * KIB])
     assert row["bytes_from_source"] == manifest.total_bytes  # fetched again, not trusted
     _same_files(manifest, tiny_model_dir, copy)
+
+
+def test_a_copy_past_its_deadline_fails_naming_each_peer(inproc_cluster, template, tmp_path):
+    """A peer answers, but too slowly for the copy's deadline: the copy ends with a
+    TemplateFetchError that says what is missing and what the peer did."""
+    _, client = inproc_cluster
+    manifest, root = template
+
+    def crawl(serve):
+        async def slow(digest, index):
+            import asyncio
+
+            await asyncio.sleep(0.3)  # within the request deadline, too slow for the copy
+            return await serve(digest, index)
+
+        return slow
+
+    holder, joiner = _holder_and_joiner(client, manifest, root, crawl)
+    start = time.monotonic()
+    with (
+        dask.config.set({"pcm.template.fetch-timeout": "1s"}),
+        pytest.raises(TemplateFetchError) as caught,
+    ):
+        _fetch_on(client, joiner, manifest, tmp_path / "copy", [holder], None)
+    assert time.monotonic() - start < 5
+    message = str(caught.value)
+    assert "pcm.template.fetch-timeout" in message and "chunks missing" in message
+    assert f"{holder} served " in message
+    assert not list(tmp_path.glob(".copy*"))  # the partial copy was removed
+
+
+def _other_loader(location: str) -> str:
+    return f"built from {location}"
+
+
+ASKED: list[int] = []  # chunks asked of _crawl's worker (in-process workers share it)
+
+
+def _crawl(dask_worker=None):
+    """Make this worker serve a chunk every 2 s (module level: shipped by reference)."""
+    serve = TemplateStore.of(dask_worker).serve
+
+    async def slow(digest, index):
+        import asyncio
+
+        ASKED.append(index)
+        await asyncio.sleep(2)
+        return await serve(digest, index)
+
+    dask_worker.handlers["pcm_template_chunk"] = slow
+
+
+def test_a_slow_copy_does_not_hold_up_another_contexts_load(tiny_model_dir, tmp_path):
+    """While a joiner's template copy crawls (a slow peer), a second context still loads on
+    it at once: copies wait on the network outside the host's load slot."""
+    from distributed import LocalCluster
+
+    import dask_pcm
+
+    settings = {
+        "pcm.cache-directory": str(tmp_path / "cache"),
+        "pcm.template.chunk-size": "16 KiB",
+    }
+    with (
+        dask.config.set(settings),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        (holder,) = _workers(client)
+        ASKED.clear()
+        client.run(_crawl, workers=[holder])
+        cluster.scale(2)
+        client.wait_for_workers(2, timeout=30)
+        (joiner,) = set(_workers(client)) - {holder}
+        deadline = time.monotonic() + 30
+        while not ASKED:  # the joiner's copy is under way
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        start = time.monotonic()
+        other = dask_pcm.Context("other", _other_loader, template="not-a-file", level="full")
+        table = dask_pcm.register(client, other).set_index("worker")
+        waited = time.monotonic() - start
+        copying = dask_pcm.status(client, ["tiny"]).set_index("worker").loc[joiner, "state"]
+    assert table.loc[joiner, "state"] == "ready"
+    assert copying != "ready"  # the copy was still crawling when the other was ready
+    assert waited < 5, waited
