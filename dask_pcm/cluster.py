@@ -67,6 +67,7 @@ def local_cluster(
 
     One thread per worker by default: a model forward pass already uses the cores torch
     gives it, and one worker per core (or GPU) is how contexts are meant to be spread.
+    ``n_workers=0`` starts none, for ``cluster.scale`` or ``cluster.adapt`` to add later.
 
     Examples
     --------
@@ -75,9 +76,8 @@ def local_cluster(
     """
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1))
-    elif n_workers < 1:
-        # LocalCluster(n_workers=0) starts fine and then waits forever for a worker.
-        raise ValueError(f"n_workers must be at least 1, got {n_workers}")
+    elif n_workers < 0:
+        raise ValueError(f"n_workers must be 0 (scale up later) or more, got {n_workers}")
     kwargs.setdefault("worker_class", Nanny)
     kwargs.setdefault("processes", True)
     return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, **kwargs)
