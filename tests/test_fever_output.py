@@ -143,7 +143,7 @@ def test_workers_below_one_is_a_clear_error_not_a_hang(tmp_path):
     assert "--workers" in done.stderr and "Traceback" not in done.stderr
     with pytest.raises(ValueError, match="workers must be at least 1"):
         run_fever(workers=-1, progress=False)
-    with pytest.raises(ValueError, match="n_workers must be 0 .* or more"):
+    with pytest.raises(ValueError, match=r"n_workers must be 0 .* or more"):
         dask_pcm.local_cluster(n_workers=-1)
 
 
