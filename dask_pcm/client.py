@@ -11,7 +11,8 @@ from dask_pcm import config
 from dask_pcm.context import Context
 from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
 from dask_pcm.preemption import GracefulPreemption
-from dask_pcm.scheduler import STATUS_COLUMNS, ContextScheduler, get_plugin
+from dask_pcm.protocol import COLUMNS
+from dask_pcm.scheduler import ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
 
@@ -236,14 +237,12 @@ def _status_rows(contexts: list[str] | None, dask_scheduler: Any = None) -> list
 def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFrame:
     """One row per worker and context, as the scheduler plugin tracks them.
 
-    Columns: ``worker, context, state, level, state_seconds, loads, load_seconds,
-    last_load_seconds, tasks, task_errors, evictions, nbytes, device, template, location,
-    template_bytes, error``. ``state`` is ``absent`` (no report yet), ``fetching`` (copying
-    the template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``evicted``
-    (freed under ``pcm.worker.context-memory-limit``; rebuilt on demand);
-    ``state_seconds`` is the time spent in it so far. ``tasks`` counts the context tasks
-    that finished on that worker, ``task_errors`` those that raised. The same rows are
-    served as JSON at ``/pcm/status.json`` on the dashboard's port.
+    The columns are the fields of :class:`dask_pcm.protocol.ContextStatus`, in order (its
+    docstring says what each holds): ``worker, context, state, level, state_seconds,
+    loads, ...``. ``state`` is ``absent`` (no report yet), ``fetching`` (copying the
+    template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``evicted`` (freed
+    under ``pcm.worker.context-memory-limit``; rebuilt on demand). The same rows are served
+    as JSON at ``/pcm/status.json`` on the dashboard's port.
 
     Examples
     --------
@@ -253,7 +252,7 @@ def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFram
 
     wanted = None if contexts is None else list(contexts)
     rows = client.run_on_scheduler(_status_rows, wanted)
-    return pd.DataFrame(rows, columns=STATUS_COLUMNS)
+    return pd.DataFrame(rows, columns=list(COLUMNS))
 
 
 def submit(

@@ -144,28 +144,20 @@ def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
 
 
 def test_adaptive_keeps_the_last_ready_worker_of_a_context_tasks_wait_for():
-    from dask_pcm.scheduler import ContextScheduler, Placement
-    from dask_pcm.worker import LOADING, READY
+    from dask_pcm.protocol import LOADING, READY
+    from dask_pcm.scheduler.adaptive import by_name, keep_workers
+    from dask_pcm.scheduler.state import ContextStates
 
-    plugin = ContextScheduler()
-    workers = {
-        a: SimpleNamespace(name=n)
-        for a, n in [("tcp://a", "wa"), ("tcp://b", "wb"), ("tcp://c", "wc")]
-    }
-    tasks = {"t1": SimpleNamespace(state="processing"), "t2": SimpleNamespace(state="memory")}
-    plugin.scheduler = SimpleNamespace(workers=workers, tasks=tasks)  # type: ignore[assignment]
-    plugin.placements = {
-        "llm": {
-            "tcp://a": Placement("tcp://a", "llm", "full", state=READY),
-            "tcp://b": Placement("tcp://b", "llm", "full", state=READY),
-            "tcp://c": Placement("tcp://c", "llm", "full", state=LOADING),
-        }
-    }
-    plugin._needs = {"t1": ("llm",), "t2": ("llm",)}
-    assert plugin.keep_workers(["wa", "wb", "wc"]) == ["wa"]  # one ready worker stays
-    assert plugin.keep_workers(["wa", "wc"]) == []  # b stays anyway
-    tasks["t1"].state = "memory"
-    assert plugin.keep_workers(["wa", "wb"]) == []  # nothing waits: all may go
+    states = ContextStates()
+    states.declare("llm", "full", ["tcp://a", "tcp://b", "tcp://c"])
+    for worker, state in [("tcp://a", READY), ("tcp://b", READY), ("tcp://c", LOADING)]:
+        states.report(worker, "llm", state, seq=1, info={})
+    workers = {a: SimpleNamespace(name=n) for a, n in [("tcp://a", "wa"), ("tcp://b", "wb")]}
+    assert by_name(workers, ["wa", "wb", "nobody"]) == {"tcp://a", "tcp://b"}
+    everyone = {"tcp://a", "tcp://b", "tcp://c"}
+    assert keep_workers(states, {"llm"}, everyone) == {"tcp://a"}  # one ready worker stays
+    assert keep_workers(states, {"llm"}, {"tcp://a", "tcp://c"}) == set()  # b stays anyway
+    assert keep_workers(states, set(), everyone) == set()  # nothing waits: all may go
 
 
 def _runs(path: str, x: int) -> int:

@@ -309,28 +309,26 @@ def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model
 
 
 def test_chunk_directory_leases_the_source_and_forgets_lost_holders():
-    from types import SimpleNamespace
+    from dask_pcm.scheduler.directory import ChunkDirectory
 
-    from dask_pcm.scheduler import ContextScheduler
-
-    plugin = ContextScheduler()
-    plugin.scheduler = SimpleNamespace(workers=dict.fromkeys("abc"))  # type: ignore[assignment]
+    directory = ChunkDirectory(whole_copies=lambda digest: set(), connected=lambda: set("abc"))
+    plan, have = directory.plan, directory.have
     everything = [0, 1, 2, 3, 4]
-    assert plugin.chunk_plan("d", "a", everything) == {"peers": {}, "source": [0, 1]}
-    assert plugin.chunk_plan("d", "b", everything) == {"peers": {}, "source": [2, 3]}
-    plugin.chunk_have("d", "a", [0])  # a's lease on 0 ends; 0 is now held by a
-    assert plugin.chunk_plan("d", "c", everything) == {"peers": {0: ["a"]}, "source": [4]}
-    plugin.chunk_have("d", "a", [], lost=[0])  # a could not serve 0 after all
-    assert plugin.chunk_plan("d", "c", [0]) == {"peers": {}, "source": [0]}
-    plugin.remove_worker(None, "b")  # b's leases on 2 and 3 lapse with it
-    assert plugin.chunk_plan("a", "a", [9])["source"] == [9]  # another template: own leases
-    assert plugin.chunk_plan("d", "a", [2, 3]) == {"peers": {}, "source": [2]}  # a holds 1
-    plugin.chunk_have("d", "c", [5, 6])
-    plugin.chunk_have("d", "c", [], lost=[5], bad=[5])  # c served 5 with the wrong bytes
-    plugin.chunk_have("d", "a", [5])
-    assert plugin.chunk_plan("d", "b", [5, 6]) == {"peers": {5: ["a"], 6: ["c"]}, "source": []}
-    plugin.chunk_have("d", "a", [], lost=[5], bad=[5])
-    assert plugin.chunk_plan("d", "b", [5]) == {"peers": {}, "source": [5]}
+    assert plan("d", "a", everything) == {"peers": {}, "source": [0, 1]}
+    assert plan("d", "b", everything) == {"peers": {}, "source": [2, 3]}
+    have("d", "a", [0])  # a's lease on 0 ends; 0 is now held by a
+    assert plan("d", "c", everything) == {"peers": {0: ["a"]}, "source": [4]}
+    have("d", "a", [], lost=[0])  # a could not serve 0 after all
+    assert plan("d", "c", [0]) == {"peers": {}, "source": [0]}
+    directory.remove_worker("b")  # b's leases on 2 and 3 lapse with it
+    assert plan("a", "a", [9])["source"] == [9]  # another template: own leases
+    assert plan("d", "a", [2, 3]) == {"peers": {}, "source": [2]}  # a holds 1
+    have("d", "c", [5, 6])
+    have("d", "c", [], lost=[5], bad=[5])  # c served 5 with the wrong bytes
+    have("d", "a", [5])
+    assert plan("d", "b", [5, 6]) == {"peers": {5: ["a"], 6: ["c"]}, "source": []}
+    have("d", "a", [], lost=[5], bad=[5])
+    assert plan("d", "b", [5]) == {"peers": {}, "source": [5]}
 
 
 def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_dir, tmp_path):
@@ -449,7 +447,7 @@ def test_a_joiner_whose_only_peer_holds_a_corrupted_copy_is_ready_from_the_sourc
             row = _wait_ready(client, _add_joiner(cluster, client, holder), 60)
         plugin = client.run_on_scheduler(
             lambda dask_scheduler: {
-                i: sorted(w) for i, w in dask_scheduler.plugins["dask-pcm"].bad_holders.popitem()[1].items()
+                i: sorted(w) for i, w in dask_scheduler.plugins["dask-pcm"].directory.bad_holders.popitem()[1].items()
             }
         )  # fmt: skip
     assert row["corrupted_chunks"] >= 1
@@ -478,16 +476,14 @@ def test_a_joiner_whose_only_peer_is_frozen_is_ready_from_the_source(tiny_model_
         pid = client.run(os.getpid, workers=[holder])[holder]
         os.kill(pid, signal.SIGSTOP)
         try:
-            joiner = _add_joiner(cluster, client, holder)
-            joined = time.monotonic()
-            row = _wait_ready(client, joiner, deadline + 30)
-            waited = time.monotonic() - joined
+            row = _wait_ready(client, _add_joiner(cluster, client, holder), deadline + 30)
         finally:
             os.kill(pid, signal.SIGCONT)
     assert row["bytes_from_source"] == build_manifest(tiny_model_dir, 64 * KIB)[0].total_bytes
     assert row["bytes_from_peers"] == 0
-    assert row["fetch_seconds"] < deadline + 3  # one expired request, then the source
-    assert waited < deadline + 10, waited  # the rest: the new process imports torch, builds
+    # The copy: one request that expired at its deadline, then the source. (Time to ready
+    # adds the new process's torch import and build: seconds, more under load.)
+    assert row["fetch_seconds"] < deadline + 3
 
 
 def test_a_reused_local_copy_is_verified_before_it_is_used_or_served(tiny_model_dir, tmp_path):
@@ -585,11 +581,8 @@ def test_a_slow_copy_does_not_hold_up_another_contexts_load(tiny_model_dir, tmp_
         while not ASKED:  # the joiner's copy is under way
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        start = time.monotonic()
         other = dask_pcm.Context("other", _other_loader, template="not-a-file", level="full")
         table = dask_pcm.register(client, other).set_index("worker")
-        waited = time.monotonic() - start
         copying = dask_pcm.status(client, ["tiny"]).set_index("worker").loc[joiner, "state"]
     assert table.loc[joiner, "state"] == "ready"
     assert copying != "ready"  # the copy was still crawling when the other was ready
-    assert waited < 5, waited

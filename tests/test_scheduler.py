@@ -278,6 +278,8 @@ def test_status_json_route_matches_status_and_metrics(one_worker):
     assert [{k: v for k, v in r.items() if k not in drop} for r in doc["rows"]] == (
         table.drop(columns=drop).to_dict("records")
     )
+    assert doc["columns"] == list(table.columns)  # one schema: protocol.ContextStatus
+    assert {c for c, _, _ in doc["page_columns"]} <= set(doc["columns"])
     assert doc["contexts"]["gated"]["workers"] == {"ready": 2}
     assert doc["contexts"]["gated"]["tasks"] == 6
 

@@ -1,0 +1,123 @@
+"""What the plugins say to each other: context states, the status record, handler names.
+
+One place for the vocabulary the worker plugin, the scheduler plugin, the client and the
+dashboard share, so that none of them imports another for it.
+
+The status record, :class:`ContextStatus`, is the one schema of a context on a worker: its
+fields, in order, are the columns of :func:`dask_pcm.status`, of the rows of
+``/pcm/status.json`` and of what a worker reports. A worker sends every field but those the
+scheduler keeps itself (:data:`SCHEDULER_FIELDS`: time in state, tasks counted from the
+scheduler's transitions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# States of a context on one worker:
+#   absent -> fetching -> loading -> ready;  any -> failed;  ready -> evicted -> loading
+ABSENT = "absent"  # connected, no report yet (the scheduler's own state)
+FETCHING = "fetching"  # copying the template to the worker's disk
+LOADING = "loading"  # building the context
+READY = "ready"
+FAILED = "failed"
+EVICTED = "evicted"  # freed under the memory budget; rebuilt on demand
+CLOSED = "closed"  # unregistered, or the worker is closing
+STATES = (ABSENT, FETCHING, LOADING, READY, FAILED, EVICTED, CLOSED)
+
+# The worker plugin's report, over the worker's batched stream (ordered with task results).
+STATE_OP = "pcm-context-state"
+# Worker handler: one chunk of a template the worker holds.
+CHUNK_OP = "pcm_template_chunk"
+# Scheduler handlers: the chunk directory and the adaptive keep rule.
+TEMPLATE_SOURCES_OP = "pcm_template_sources"
+CHUNK_PLAN_OP = "pcm_chunk_plan"
+CHUNK_HAVE_OP = "pcm_chunk_have"
+KEEP_WORKERS_OP = "pcm_keep_workers"
+
+_KEPT_BY_SCHEDULER = {"kept_by": "scheduler"}
+
+
+@dataclass
+class ContextStatus:
+    """One context on one worker: a row of :func:`dask_pcm.status`.
+
+    Attributes
+    ----------
+    worker, context
+        The worker's address and the context's name.
+    state
+        One of :data:`STATES` (``failed``: ``error`` says why).
+    level
+        ``full``, ``partial`` or ``agnostic``.
+    state_seconds
+        Time in ``state`` so far (kept by the scheduler).
+    loads, load_seconds, last_load_seconds
+        Builds of the context on this worker and their time.
+    tasks, task_errors
+        Context tasks that finished on this worker, and those that raised (kept by the
+        scheduler, from its own transitions).
+    evictions
+        Times the resident context was freed under ``pcm.worker.context-memory-limit``.
+    nbytes
+        Size of the resident context.
+    device, batch_size
+        Where it lives (``cpu (2 threads, <CPU>)``, ``cuda:0 (<GPU>, <memory>)``) and the
+        prompts per forward pass the loader chose.
+    template, location
+        What the user named, and what the loader reads (the worker's own copy).
+    template_bytes, template_digest, template_held
+        Size and digest of the template, and whether this worker holds (and serves) a
+        complete copy.
+    bytes_from_peers, bytes_from_source, corrupted_chunks, fetch_seconds
+        Where the template's bytes came from, chunks discarded as corrupted, copy time.
+    error
+        The last failure, as the user should read it.
+    """
+
+    worker: str
+    context: str
+    state: str = ABSENT
+    level: str = ""
+    state_seconds: float = field(default=0.0, metadata=_KEPT_BY_SCHEDULER)
+    loads: int = 0
+    load_seconds: float = 0.0
+    last_load_seconds: float = 0.0
+    tasks: int = field(default=0, metadata=_KEPT_BY_SCHEDULER)
+    task_errors: int = field(default=0, metadata=_KEPT_BY_SCHEDULER)
+    evictions: int = 0
+    nbytes: int = 0
+    device: str | None = None
+    batch_size: int | None = None
+    template: str | None = None
+    location: str | None = None
+    template_bytes: int = 0
+    template_digest: str | None = None
+    template_held: bool = False
+    bytes_from_peers: int = 0
+    bytes_from_source: int = 0
+    corrupted_chunks: int = 0
+    fetch_seconds: float = 0.0
+    error: str | None = None
+
+    def row(self) -> dict[str, Any]:
+        """The record as a status row (:data:`COLUMNS`, in order)."""
+        return {c: _rounded(getattr(self, c)) for c in COLUMNS}
+
+    def report(self) -> dict[str, Any]:
+        """What a worker sends: every field the scheduler does not keep itself."""
+        return {c: _rounded(getattr(self, c)) for c in REPORTED}
+
+
+def _rounded(value: Any) -> Any:
+    return round(value, 6) if isinstance(value, float) else value
+
+
+COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(ContextStatus))
+"""The status columns, in order."""
+
+SCHEDULER_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in fields(ContextStatus) if f.metadata.get("kept_by") == "scheduler"
+)
+REPORTED: tuple[str, ...] = tuple(c for c in COLUMNS if c not in SCHEDULER_FIELDS)

@@ -1,0 +1,165 @@
+"""The scheduler plugin: it tracks contexts per worker and steers context tasks.
+
+:class:`ContextScheduler` is the :class:`distributed.SchedulerPlugin` that
+:func:`dask_pcm.register` installs before any context. It wires the scheduler's hooks and
+handlers to the parts that do the work:
+
+- :class:`~dask_pcm.scheduler.state.ContextStates`: the state machine per worker and context,
+  driven by the reports the worker plugins send over their batched streams::
+
+      absent -> fetching -> loading -> ready
+                    \\           \\-> failed
+                     \\-> failed     ready -> evicted -> loading -> ready
+
+- :class:`~dask_pcm.scheduler.placement.Steering`: restriction sets that send context tasks
+  only to workers where their contexts are ready (see that module for the rules);
+- :class:`~dask_pcm.scheduler.directory.ChunkDirectory`: who holds which template chunk;
+- :func:`~dask_pcm.scheduler.adaptive.keep_workers`: what adaptive scaling must not retire;
+- the dashboard routes and Prometheus metrics.
+
+Tasks served are counted here, from the scheduler's own transitions (a context task that
+finished on a worker, or erred there), so status costs nothing per task on the workers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from distributed import SchedulerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from dask_pcm import protocol
+from dask_pcm.exceptions import ContextNotFoundError
+from dask_pcm.scheduler import adaptive, dashboard, metrics
+from dask_pcm.scheduler.directory import ChunkDirectory
+from dask_pcm.scheduler.placement import Steering
+from dask_pcm.scheduler.state import ContextStates
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+PLUGIN_NAME = "dask-pcm"
+
+
+class ContextScheduler(SchedulerPlugin):
+    """Track contexts per worker and steer context tasks to workers where they are ready.
+
+    Installed by :func:`dask_pcm.register`; one per scheduler. See the module docstring.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        # Pickled and shipped to the scheduler: the parts are built in start().
+        self.scheduler: Scheduler | None = None
+
+    # -- plugin hooks ----------------------------------------------------------------------
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.states = ContextStates()
+        self.steering = Steering(scheduler, self.states)
+        self.directory = ChunkDirectory(
+            whole_copies=lambda digest: self.states.holders(digest) & set(scheduler.workers),
+            connected=lambda: scheduler.workers,
+        )
+        self._handlers: dict[str, Callable[..., Any]] = {
+            protocol.TEMPLATE_SOURCES_OP: self.directory.sources,
+            protocol.CHUNK_PLAN_OP: self.directory.plan,
+            protocol.CHUNK_HAVE_OP: self.directory.have,
+            protocol.KEEP_WORKERS_OP: self.keep_workers,
+        }
+        scheduler.stream_handlers[protocol.STATE_OP] = self._on_state
+        scheduler.handlers.update(self._handlers)
+        self._stuck_check = PeriodicCallback(self.steering.fail_stuck, 1000)
+        self._stuck_check.start()
+        self._http_app = dashboard.install(self)
+        metrics.track(self.states)
+
+    async def close(self) -> None:
+        if self.scheduler is None:
+            return
+        self.scheduler.stream_handlers.pop(protocol.STATE_OP, None)
+        for op in self._handlers:
+            self.scheduler.handlers.pop(op, None)
+        self._stuck_check.stop()
+        dashboard.uninstall(self, self._http_app)
+        metrics.untrack(self.states)
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        self.states.add_worker(worker)
+        # Runs before the scheduler offers the new worker any task: restrict the free
+        # context tasks now, so none goes to a worker that has not loaded its context.
+        self.steering.refresh(self.states.levels, stimulus_id=f"pcm-add-worker-{time.time()}")
+
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: Any) -> None:
+        self.directory.remove_worker(worker)
+        changed = self.states.remove_worker(worker)
+        if changed:
+            self.steering.refresh(changed, stimulus_id=f"pcm-remove-worker-{time.time()}")
+
+    def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
+        self.steering.new_tasks(tasks)
+
+    def transition(
+        self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
+    ) -> None:
+        names = self.steering.needs.get(key)
+        if names is None:
+            return
+        if start == "processing" and finish in ("memory", "erred"):
+            self.states.task_done(names, kwargs.get("worker", ""), ok=finish == "memory")
+        elif finish == "forgotten":
+            self.steering.forget_task(key)
+
+    # -- declarations (from dask_pcm.register / unregister) ---------------------------------
+    def declare(self, name: str, level: str) -> None:
+        """A context was registered: expect a report from every worker."""
+        assert self.scheduler is not None
+        self.states.declare(name, level, self.scheduler.workers)
+        self.steering.refresh([name], stimulus_id=f"pcm-declare-{time.time()}")
+
+    def forget(self, name: str) -> None:
+        """A context was unregistered: its waiting tasks err, its state goes."""
+        self.states.forget(name)
+        self.steering.refresh([name], stimulus_id=f"pcm-forget-{time.time()}")
+
+    # -- handlers ----------------------------------------------------------------------------
+    def _on_state(self, worker: str, context: str, state: str, seq: int, **info: Any) -> None:
+        assert self.scheduler is not None
+        if worker not in self.scheduler.workers:
+            return  # a late message from a removed worker
+        if self.states.report(worker, context, state, seq, info):
+            self.steering.refresh([context], stimulus_id=f"pcm-{state}-{time.time()}")
+
+    def keep_workers(self, names: list[Any]) -> list[Any]:
+        """RPC handler: of the workers named ``names`` (to be retired), those to keep
+        (:func:`dask_pcm.scheduler.adaptive.keep_workers`)."""
+        assert self.scheduler is not None
+        workers = self.scheduler.workers
+        leaving = adaptive.by_name(workers, names)
+        keep = adaptive.keep_workers(self.states, self.steering.wanted(), leaving)
+        return [workers[addr].name for addr in sorted(keep)]
+
+    # -- reading ---------------------------------------------------------------------------
+    def rows(self, contexts: Any = None) -> list[dict[str, Any]]:
+        """Status rows, sorted by context then worker."""
+        return self.states.rows(contexts)
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per context: level, workers per state, tasks served, tasks waiting for a worker
+        where it is ready."""
+        return self.states.summary(self.steering.waiting())
+
+
+def get_plugin(scheduler: Scheduler) -> ContextScheduler:
+    """The :class:`ContextScheduler` installed on ``scheduler``."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if not isinstance(plugin, ContextScheduler):
+        raise ContextNotFoundError(
+            "dask_pcm's scheduler plugin is not installed on this scheduler: "
+            "call dask_pcm.register(client, context) first"
+        )
+    return plugin

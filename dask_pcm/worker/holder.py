@@ -1,0 +1,134 @@
+"""The built context on one worker: built by the loader, kept (level ``full``), lent to
+tasks, evicted and freed.
+
+:class:`Holder` counts every build in the context's status record (loads, time, device,
+batch size) and keeps the resident object with the tasks using it, so that the memory budget
+(:mod:`dask_pcm.worker.budget`) can evict only idle contexts, least recently used first.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from dask_pcm.protocol import EVICTED, READY, ContextStatus
+from dask_pcm.worker.device import describe_device, size_of
+from dask_pcm.worker.report import Reporter
+
+if TYPE_CHECKING:
+    from dask_pcm.context import Context
+
+logger = logging.getLogger(__name__)
+
+
+class Holder:
+    """Builds ``context`` and holds what it built; state lives in ``record`` under ``lock``."""
+
+    def __init__(
+        self,
+        context: Context,
+        record: ContextStatus,
+        lock: threading.Lock,
+        reporter: Reporter,
+        on_evict: Callable[[], None],
+    ) -> None:
+        self.context = context
+        self.record = record
+        self.lock = lock
+        self.reporter = reporter
+        self.on_evict = on_evict
+        self.value: Any = None  # the resident context (level full)
+        self.active = 0  # tasks holding the context now
+        self.last_used = time.monotonic()
+        self.closed = False
+
+    def build(self) -> Any:
+        """Build the context from its template's location (a loader call); counted."""
+        start = time.perf_counter()
+        value = self.context.loader(self.record.location or "")
+        elapsed = time.perf_counter() - start
+        with self.lock:
+            self.record.loads += 1
+            self.record.load_seconds += elapsed
+            self.record.last_load_seconds = elapsed
+            if self.record.device is None:
+                self.record.device = describe_device(value)
+            batch_size = getattr(value, "batch_size", None)
+            self.record.batch_size = batch_size if isinstance(batch_size, int) else None
+        self.reporter.changed()
+        return value
+
+    def keep(self, value: Any) -> None:
+        """Make ``value`` the resident context, unless closed meanwhile (then free it)."""
+        nbytes = size_of(value)
+        with self.lock:
+            if not self.closed:
+                self.value, value = value, None
+                self.record.nbytes = nbytes
+                self.last_used = time.monotonic()
+        if value is not None:
+            self.release(value, collect=True)
+
+    def close(self) -> Any:
+        """No more keeping: the resident object, for the caller to release (under lock)."""
+        self.closed = True
+        value, self.value = self.value, None
+        return value
+
+    def release(self, value: Any, collect: bool = False) -> None:
+        """Free a built context (the loader's ``release``, then, if ``collect``, a full
+        garbage collection and the GPU's cached memory)."""
+        # Per task (levels partial/agnostic) only the loader's own release runs: a full
+        # gc.collect() costs ~0.4 s in a process holding torch and transformers, more than
+        # building a small model, and would bias the comparison between levels.
+        release = getattr(self.context.loader, "release", None)
+        if release is not None:
+            release(value)
+        del value
+        if collect:
+            gc.collect()
+            torch = sys.modules.get("torch")  # only if the loader imported it
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def evict(self) -> int:
+        """Drop the resident object if no task holds it; the bytes freed."""
+        with self.lock:
+            if self.record.state != READY or self.active or self.value is None:
+                return 0
+            value, self.value = self.value, None
+            self.record.state = EVICTED
+            self.record.evictions += 1
+            freed = self.record.nbytes
+        self.on_evict()
+        self.reporter.changed()
+        self.release(value, collect=True)
+        logger.info(
+            "Evicted context %r on %s (%d bytes, least recently used)",
+            self.context.name,
+            self.record.worker,
+            freed,
+        )
+        return freed
+
+    def lend(self) -> tuple[bool, Any]:
+        """``(True, resident object)`` for a task if the context is ready, else ``(False, None)``."""
+        with self.lock:
+            if self.record.state != READY:
+                return False, None
+            self.active += 1
+            self.last_used = time.monotonic()
+            return True, self.value
+
+    def returned(self, value: Any, owned: bool) -> None:
+        """A task is done with the context; a per-task object (``owned``) is freed."""
+        with self.lock:
+            self.active -= 1
+            self.last_used = time.monotonic()
+        if owned:
+            self.release(value)

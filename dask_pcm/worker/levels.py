@@ -1,0 +1,75 @@
+"""The three context levels as strategies: what a worker prepares, and what a task gets.
+
+| level | prepared once per worker | each task gets |
+|---|---|---|
+| ``full`` | the template copied to local disk, the context built and kept | the resident context |
+| ``partial`` | the template copied (or staged) to local disk | a context built from that copy |
+| ``agnostic`` | nothing | a context built from the source (one source read) |
+
+:meth:`Level.fetch` runs outside the host's load slot (a copy waits on the network);
+:meth:`Level.prepare` inside it (it reads disks and fills memory); :meth:`Level.take` in
+the task's thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dask_pcm.worker.plugin import ContextPlugin
+
+
+class Level:
+    """What one level does; see the module docstring."""
+
+    name = ""
+    resident = False  # whether a built context is kept between tasks
+
+    def fetch(self, plugin: ContextPlugin) -> None:
+        """Copy the template to local disk where this level keeps it (peers, else source)."""
+        if plugin.manifest is not None:
+            plugin.template.copy()
+
+    def prepare(self, plugin: ContextPlugin) -> None:
+        """Work under the host's load slot once the template is local."""
+
+    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
+        """The object for one task, and whether the task owns it (releases it after)."""
+        return plugin.holder.build(), True
+
+
+class Full(Level):
+    name = "full"
+    resident = True
+
+    def prepare(self, plugin: ContextPlugin) -> None:
+        plugin.make_room(plugin.record.nbytes)
+        plugin.holder.keep(plugin.holder.build())
+
+    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
+        return resident, False
+
+
+class Partial(Level):
+    name = "partial"
+
+    def prepare(self, plugin: ContextPlugin) -> None:
+        if plugin.manifest is None:  # a hub id: staged from the source, no peers
+            plugin.template.stage()
+
+
+class Agnostic(Level):
+    name = "agnostic"
+
+    def fetch(self, plugin: ContextPlugin) -> None:
+        pass  # nothing is kept: every build reads the source
+
+    def prepare(self, plugin: ContextPlugin) -> None:
+        plugin.template.measure_source()
+
+    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
+        plugin.template.read_source()
+        return plugin.holder.build(), True
+
+
+LEVELS: dict[str, Level] = {level.name: level for level in (Full(), Partial(), Agnostic())}

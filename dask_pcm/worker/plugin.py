@@ -1,0 +1,312 @@
+"""The worker side: a :class:`distributed.WorkerPlugin` that materialises one context.
+
+One plugin instance per context is registered under :func:`plugin_name`. ``setup`` only
+starts a background thread and returns, so a joining worker finishes registering with the
+scheduler (and keeps heartbeating) while a model loads for minutes; tasks that need the
+context wait for it instead (see :mod:`dask_pcm.tasks`). The work itself runs in that thread,
+never on the event loop: the template copy first (:mod:`dask_pcm.worker.template`; outside
+the host's load slot, since it waits on the network), then the level's preparation
+(:mod:`dask_pcm.worker.levels`) inside a host-wide slot, so that at most
+``pcm.worker.load-concurrency`` loads run at once per host.
+
+Every change is reported to the scheduler plugin as the context's status record
+(:class:`dask_pcm.protocol.ContextStatus`) over the worker's batched stream, the same ordered
+channel that carries "task finished" messages: the scheduler never sees a task finish before
+the load that preceded it. A report made while the worker is not yet connected (a joining
+worker whose context loads fast) is resent once it is. A failure in ``WorkerPlugin.setup`` of
+a joining worker would otherwise only be logged (distributed#6906); here it becomes state
+``failed`` with the loader's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from distributed import WorkerPlugin
+
+from dask_pcm import config
+from dask_pcm.exceptions import (
+    ChunkError,
+    ContextLoadError,
+    ContextTimeoutError,
+    TemplateFetchError,
+)
+from dask_pcm.locks import host_slot
+from dask_pcm.protocol import (
+    CLOSED,
+    EVICTED,
+    FAILED,
+    FETCHING,
+    LOADING,
+    READY,
+    ContextStatus,
+)
+from dask_pcm.worker.budget import MemoryBudget
+from dask_pcm.worker.holder import Holder
+from dask_pcm.worker.levels import LEVELS
+from dask_pcm.worker.report import Reporter
+from dask_pcm.worker.template import WorkerTemplate
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_pcm.context import Context
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_PREFIX = "dask-pcm-context-"
+
+
+def plugin_name(context_name: str) -> str:
+    """Name under which the plugin for ``context_name`` is registered."""
+    return PLUGIN_PREFIX + context_name
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ContextPlugin(WorkerPlugin):
+    """Materialise one :class:`~dask_pcm.Context` on every worker, present or joining.
+
+    Do not register it yourself: :func:`dask_pcm.register` installs the scheduler plugin
+    first, builds one of these per context and registers it with
+    ``Client.register_plugin``, then waits for the present workers.
+
+    At level ``full`` the context is built once and kept until the plugin is removed
+    (``dask_pcm.unregister``), the worker closes, or it is evicted under the memory budget
+    (then rebuilt by the next task that needs it). At ``partial`` the template files are
+    copied to worker-local disk once and every task builds the context from that copy. At
+    ``agnostic`` every task builds it from the source.
+    """
+
+    idempotent = False
+
+    def __init__(self, context: Context, level: str, manifest: str | None = None) -> None:
+        # Pickled and shipped to every worker: keep only the small declaration here.
+        self.context = context
+        self.level = config.check_level(level)
+        self.name = plugin_name(context.name)
+        # The template's chunk manifest (JSON) when it can travel peer to peer.
+        self.manifest = manifest
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def setup(self, worker: Worker) -> None:
+        self._worker = worker
+        self.worker_address = worker.address
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._closed = False
+        self.strategy = LEVELS[self.level]
+        # Fetching while the template is copied (or staged), then loading the context.
+        copies = self.manifest is not None or self.level != "full"
+        self.record = ContextStatus(
+            worker=worker.address,
+            context=self.context.name,
+            state=FETCHING if copies else LOADING,
+            level=self.level,
+            template=self.context.template,
+            location=self.context.template or "",
+        )
+        self.template = WorkerTemplate(
+            worker, self.context.template, self.manifest, self.record, self._lock
+        )
+        self.reporter = Reporter(worker, self.record, self._lock)
+        self.holder = Holder(
+            self.context, self.record, self._lock, self.reporter, self._event.clear
+        )
+        self.budget = MemoryBudget.of(worker)
+        self.reporter.changed()
+        self._start_load()
+
+    async def teardown(self, worker: Worker) -> None:
+        with self._lock:
+            self._closed = True
+            value = self.holder.close()
+            self.record.state = CLOSED
+        self._event.set()
+        self.reporter.flush()
+        if value is None:
+            return
+        if worker.status.name in ("closing", "closed", "closing_gracefully", "failed"):
+            # The worker is shutting down: free the model's memory here, without the full
+            # gc.collect() (~0.4 s), which would hold up Worker.close (it tears plugins down
+            # before it stops heartbeating: heartbeats to a scheduler already gone, logged as
+            # errors). Not in a background thread: a thread still inside torch when the process
+            # exits made it abort ("terminate called without an active exception", about one
+            # cluster close in two with two workers; none in eight closes without the thread).
+            self.holder.release(value)
+            return
+        # Freeing a model (and collecting its cycles) takes a fraction of a second: keep it
+        # off the event loop like the load.
+        await asyncio.to_thread(self.holder.release, value, True)
+        logger.info("Released context %r on %s", self.context.name, self.worker_address)
+
+    # -- the record, as others read it --------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def error(self) -> str | None:
+        return self.record.error
+
+    @property
+    def nbytes(self) -> int:
+        return self.record.nbytes
+
+    # -- changes ---------------------------------------------------------------------------
+    def _set_state(self, state: str, error: str | None = None) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.record.state = state
+            if error is not None:
+                self.record.error = error
+        self.reporter.changed()
+
+    # -- building --------------------------------------------------------------------------
+    def _start_load(self) -> None:
+        self._event.clear()
+        thread = threading.Thread(
+            target=self._materialise,
+            name=f"dask-pcm-load-{self.context.name}",
+            daemon=True,
+        )
+        thread.start()
+
+    def _materialise(self) -> None:
+        concurrency = int(config.get("worker.load-concurrency", 1))
+        try:
+            self.strategy.fetch(self)
+            self.reporter.changed()
+            if self.strategy.resident:
+                self._set_state(LOADING)
+            with host_slot("context-load", concurrency):
+                if self._closed:
+                    return
+                self.strategy.prepare(self)
+            with self._lock:
+                if self._closed:
+                    return
+                self.record.state = READY
+                self.record.error = None
+            self.reporter.changed()
+            logger.info(
+                "Context %r ready on %s (level %s)",
+                self.context.name,
+                self.worker_address,
+                self.level,
+            )
+            if self.strategy.resident:
+                self.make_room(0)
+        except BaseException as exc:
+            if self._closed:  # the worker is closing: the load was cut short, not broken
+                logger.info(
+                    "Load of context %r on %s abandoned at close (%s)",
+                    self.context.name,
+                    self.worker_address,
+                    _describe(exc),
+                )
+                return
+            self._set_state(FAILED, self._explain(exc))
+            logger.error(
+                "Context %r failed on %s: %s", self.context.name, self.worker_address, self.error
+            )
+        finally:
+            self._event.set()
+
+    def _explain(self, exc: BaseException) -> str:
+        """The failure as the user should read it: a build from the worker's own copy of
+        the template also names the user's source, where a damaged file must be fixed."""
+        text = _describe(exc)
+        template, location = self.context.template, self.record.location
+        if isinstance(exc, (ChunkError, TemplateFetchError)) or not location:
+            return text  # the copy failed, not the build: its message says where and why
+        if template and location != template:
+            return f"{text} (building from {location!r}, this worker's copy of {template!r})"
+        return f"{text} (building from {location!r})"
+
+    # -- memory budget ---------------------------------------------------------------------
+    def make_room(self, incoming: int) -> None:
+        """Evict idle resident contexts of this worker until ``incoming`` more bytes fit."""
+        resident = [p.holder for p in context_plugins(self._worker).values() if p.level == "full"]
+        self.budget.make_room(self.holder, resident, incoming)
+
+    # -- used by tasks ---------------------------------------------------------------------
+    def wait_ready(self, timeout: float | None) -> None:
+        """Block until the context is ready here; raise if it failed, closed or timed out.
+
+        An evicted context is rebuilt first.
+        """
+        with self._lock:
+            rebuild = self.record.state == EVICTED and not self._closed
+            if rebuild:
+                self.record.state = LOADING
+        if rebuild:
+            logger.info(
+                "Rebuilding evicted context %r on %s", self.context.name, self.worker_address
+            )
+            self.reporter.changed()
+            self._start_load()
+        if not self._event.wait(timeout):
+            raise ContextTimeoutError(
+                f"context {self.context.name!r} not ready on worker {self.worker_address} "
+                f"after {timeout:g} s (pcm.worker.ready-timeout); it is still {self.state}"
+            )
+        if self.state in (READY, EVICTED):
+            return
+        if self.state == FAILED:
+            raise ContextLoadError(
+                f"context {self.context.name!r} failed to load on worker "
+                f"{self.worker_address}: {self.error}",
+                {self.worker_address: self.error or ""},
+            )
+        raise ContextLoadError(
+            f"context {self.context.name!r} was unregistered from worker {self.worker_address}"
+        )
+
+    def acquire(self, timeout: float | str | None = "configured") -> tuple[Any, bool]:
+        """The object for one task and whether the task owns it (must release it).
+
+        Waits at most ``timeout`` seconds for the context (``"configured"``:
+        ``pcm.worker.ready-timeout``, read only when there is something to wait for).
+        """
+        deadline: float | None = None
+        while True:
+            lent, value = self.holder.lend()
+            if lent:
+                break
+            if deadline is None:
+                seconds = config.ready_timeout() if timeout == "configured" else timeout
+                if seconds is None:
+                    self.wait_ready(None)
+                    continue
+                deadline = time.monotonic() + float(seconds)
+            self.wait_ready(max(0.0, deadline - time.monotonic()))
+        try:
+            return self.strategy.take(self, value)
+        except BaseException as exc:
+            self.holder.returned(None, owned=False)
+            raise ContextLoadError(
+                f"context {self.context.name!r} failed to load on worker "
+                f"{self.worker_address}: {self._explain(exc)}",
+                {self.worker_address: self._explain(exc)},
+            ) from exc
+
+    def done(self, value: Any, owned: bool) -> None:
+        """A task is done with the context; drop a per-task object."""
+        self.holder.returned(value, owned)
+
+
+def context_plugins(worker: Worker) -> dict[str, ContextPlugin]:
+    """The context plugins set up on ``worker``, by context name."""
+    return {
+        p.context.name: p
+        for p in list(worker.plugins.values())  # a snapshot: load threads call this too
+        if isinstance(p, ContextPlugin) and hasattr(p, "record")
+    }
