@@ -20,7 +20,7 @@ pass each) with a causal LM (default: the embedded SmolLM2-135M-Instruct). The v
 
 The source, ``--source-bandwidth`` (MB/s for the whole host, comma-separated settings, ``none``
 = no limit; default ``none,200``, ``--quick`` only ``none``). With a limit, reads of the template
-from its source share one simulated link (:class:`dask_pcm.throttle.SharedBandwidth`, set
+from its source share one simulated link (:class:`dask_pcm.testing.throttle.SharedBandwidth`, set
 through ``pcm.template.source-bandwidth``), as the jobs of a cluster share a filesystem server.
 Why 200 MB/s: an assumption, not a measurement, for one node's share of a busy shared
 filesystem (an NFS client on 10 GbE is capped at about 1.2 GB/s by the wire and gets less once
@@ -98,12 +98,12 @@ import dask
 
 import dask_pcm
 from dask_pcm import config
-from dask_pcm.sources import resolve_source, template_files
-from dask_pcm.throttle import SharedBandwidth
+from dask_pcm.templates.sources import resolve_source, template_files
+from dask_pcm.testing.throttle import SharedBandwidth
 
 LEVELS = ("agnostic", "partial", "full")
 PER_TASK = "process-per-task"
-LINK = "template-source"  # the link name dask_pcm's source reads use (config.source_bandwidth)
+LINK = "template-source"  # the link name dask_pcm's source reads use (dask_pcm.templates.reader.source_reader)
 COLUMNS = [
     ("level", "level", ""),
     ("source", "source", ""),
@@ -131,8 +131,8 @@ sys.modules["dask_pcm"] = package
 start = time.perf_counter()
 import torch, transformers
 import _harness as h
-from dask_pcm.llm import CausalLM
-from dask_pcm.throttle import SharedBandwidth
+from dask_pcm.loaders.llm import CausalLM
+from dask_pcm.testing.throttle import SharedBandwidth
 torch.set_num_threads(1)
 imported = time.perf_counter()
 if args["bytes_per_second"]:

@@ -59,7 +59,7 @@ Made equal, so that the rows differ in how the model is handled and in nothing e
 worker runs one OpenMP/MKL thread (torch's thread count is checked on every worker) and no
 ``MALLOC_TRIM_THRESHOLD_`` (``_harness._worker_environ``). The plain Dask clusters get
 ``distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_: null`` and the 100 ms profiler
-interval, the settings ``dask_pcm/cluster.py`` tells users who start their own workers to use
+interval, the settings ``dask_pcm/deploy/local.py`` tells users who start their own workers to use
 (it reports tasks about 30 % slower with distributed's heap trimming; not measured here).
 
 Plain Dask and a script: the hand-written functions are submitted as attributes of module
@@ -112,7 +112,7 @@ COLUMNS = [
     ("efficiency", "efficiency", ".2f"),
     ("cpu_share", "cpu", ".2f"),
 ]
-# What dask_pcm's own workers run with (dask_pcm/cluster.py), given to the plain Dask clusters.
+# What dask_pcm's own workers run with (dask_pcm/deploy/local.py), given to the plain Dask clusters.
 PLAIN_DASK_CONFIG = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     "distributed.worker.profile.interval": "100ms",

@@ -3,7 +3,7 @@
 Two modes side by side, each N in one run: ``source`` (every worker copies the model's
 template from the source) and ``p2p`` (workers copy it from peers that hold it and read the
 source only for what no peer has). The source is a simulated shared filesystem
-(:class:`dask_pcm.throttle.SharedBandwidth`): one link for the whole host, set so that one
+(:class:`dask_pcm.testing.throttle.SharedBandwidth`): one link for the whole host, set so that one
 worker alone reads the model in about ``--load-seconds`` (5 s by default), shared by all
 concurrent readers like one NFS server under load. Loads may run concurrently (one host
 stands for N hosts), so the link and the peers, not a host lock, decide.
@@ -31,9 +31,9 @@ import dask
 from distributed import Client
 
 import dask_pcm
-from dask_pcm.chunks import build_manifest
 from dask_pcm.scheduler import ContextScheduler
-from dask_pcm.throttle import SharedBandwidth
+from dask_pcm.templates.manifest import build_manifest
+from dask_pcm.testing.throttle import SharedBandwidth
 
 COLUMNS = [
     ("n", "N", "d"),
@@ -125,8 +125,8 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
 
 def _hold(manifest_json: str, root: str, dask_worker=None) -> None:
     """Make this worker a holder of the whole template (what a ready worker is)."""
-    from dask_pcm.chunks import Manifest
-    from dask_pcm.p2p import TemplateStore
+    from dask_pcm.templates.manifest import Manifest
+    from dask_pcm.templates.serve import TemplateStore
 
     manifest = Manifest.from_json(manifest_json)
     TemplateStore.of(dask_worker).add(root, manifest)
@@ -145,8 +145,8 @@ async def _fetch_sampled(manifest_json: str, dest: str, dask_worker=None) -> dic
 
     import psutil
 
-    from dask_pcm.chunks import Manifest
-    from dask_pcm.p2p import fetch_coordinated
+    from dask_pcm.templates.fetch import fetch
+    from dask_pcm.templates.manifest import Manifest
 
     proc = psutil.Process()
     base = proc.memory_info().rss
@@ -161,9 +161,7 @@ async def _fetch_sampled(manifest_json: str, dest: str, dask_worker=None) -> dic
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        path, report = await fetch_coordinated(
-            dask_worker, Manifest.from_json(manifest_json), dest, None
-        )
+        path, report = await fetch(dask_worker, Manifest.from_json(manifest_json), dest, None)
     finally:
         stop.set()
         sampler.join()

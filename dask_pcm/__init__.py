@@ -19,11 +19,10 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
-from dask_pcm.batch import batch_cluster
 from dask_pcm.client import map, register, registered_contexts, status, submit, unregister
-from dask_pcm.cluster import Nanny, local_cluster
 from dask_pcm.context import Context, causal_lm
-from dask_pcm.embedded import build_tiny_llama, embedded_model_dir
+from dask_pcm.deploy.batch import batch_cluster
+from dask_pcm.deploy.local import Nanny, local_cluster
 from dask_pcm.exceptions import (
     ChunkError,
     ContextLoadError,
@@ -36,8 +35,10 @@ from dask_pcm.exceptions import (
     TemplateFetchError,
 )
 from dask_pcm.fever.run import FeverResult, run_fever
-from dask_pcm.llm import CausalLM, LanguageModel
+from dask_pcm.loaders.embedded import embedded_model_dir
+from dask_pcm.loaders.llm import CausalLM, LanguageModel
 from dask_pcm.tasks import ContextTask, get_context, uses_context
+from dask_pcm.testing.models import build_tiny_llama
 
 try:
     __version__ = version("dask-pcm")

@@ -67,26 +67,29 @@ def demo(model: str | None, workers: int, level: str, repeat: int) -> None:
 def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
     from distributed import Client
 
-    import dask_pcm
+    from dask_pcm import client as pcm
+    from dask_pcm.context import causal_lm
+    from dask_pcm.deploy.local import local_cluster
+    from dask_pcm.loaders.embedded import embedded_model_dir
 
     if model is None:
         click.echo("Preparing the embedded SmolLM2-135M-Instruct (converted once, then cached)...")
-        dask_pcm.embedded_model_dir()
+        embedded_model_dir()
     start = time.perf_counter()
-    with dask_pcm.local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
+    with local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
         click.echo(f"Cluster: {workers} workers, dashboard {client.dashboard_link}")
-        context = dask_pcm.causal_lm(model, name="demo", level=level)
-        dask_pcm.register(client, context)
+        context = causal_lm(model, name="demo", level=level)
+        pcm.register(client, context)
         click.echo(
             f"Context 'demo' ready at level {level} after {time.perf_counter() - start:.1f} s"
         )
         questions = DEMO_QUESTIONS * repeat
-        futures = dask_pcm.map(client, _answer, questions, context="demo", pure=False)
+        futures = pcm.map(client, _answer, questions, context="demo", pure=False)
         for question, answer in zip(
             questions, client.gather(futures)[: len(DEMO_QUESTIONS)], strict=False
         ):
             click.echo(f"  Q: {question}\n  A: {answer}")
-        table = dask_pcm.status(client)
+        table = pcm.status(client)
         cols = ["worker", "context", "state", "level", "loads", "load_seconds", "tasks", "device"]
         click.echo("\n" + table[cols].to_string(index=False))
     click.echo(f"\n{len(questions)} tasks in {time.perf_counter() - start:.1f} s")

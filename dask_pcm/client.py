@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config
 from dask_pcm.context import Context
+from dask_pcm.deploy.preemption import GracefulPreemption
 from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
-from dask_pcm.preemption import GracefulPreemption
 from dask_pcm.protocol import COLUMNS
 from dask_pcm.scheduler import ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
@@ -121,7 +121,7 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
     """The template's chunk manifest for peer-to-peer transfer, where it applies.
 
     Only for levels full and partial and a template that is a local path (directory or
-    ``.gguf``) or ``"embedded"``, hashed here once (cached; see :mod:`dask_pcm.chunks`).
+    ``.gguf``) or ``"embedded"``, hashed here once (cached; see :mod:`dask_pcm.templates.manifest`).
     Workers then copy it chunk by chunk into local disk, from peers unless
     ``pcm.template.peer-to-peer`` is false, and build the context from that copy. Hub ids
     and custom templates are read by each worker from the source.
@@ -133,8 +133,8 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
         return None
     if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
         return None
-    from dask_pcm.chunks import build_manifest
     from dask_pcm.exceptions import PCMError
+    from dask_pcm.templates.manifest import build_manifest
 
     try:
         manifest, _ = build_manifest(template)

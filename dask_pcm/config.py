@@ -70,20 +70,6 @@ def context_memory_limit() -> int | None:
     return int(dask.utils.parse_bytes(value))
 
 
-def source_bandwidth() -> Any:
-    """The simulated shared filesystem, if ``pcm.template.source-bandwidth`` sets one.
-
-    Returns a :class:`~dask_pcm.throttle.SharedBandwidth` of that many bytes per second for
-    every source read of a template on this host, or ``None``.
-    """
-    value = get("template.source-bandwidth")
-    if value is None:
-        return None
-    from dask_pcm.throttle import SharedBandwidth
-
-    return SharedBandwidth(float(dask.utils.parse_bytes(value)), name="template-source")
-
-
 def _seconds(value: Any) -> float:
     return float(dask.utils.parse_timedelta(value, default="s"))
 

@@ -98,7 +98,7 @@ def causal_lm(
         ``"auto"`` (float32 on CPU, bfloat16 or float16 on GPU) or a torch dtype name.
     batch_size : int, optional
         Most prompts per forward pass; ``None`` chooses per worker from its device (8 on a
-        CPU, from free memory on a GPU; see :class:`dask_pcm.llm.CausalLM`).
+        CPU, from free memory on a GPU; see :class:`dask_pcm.loaders.llm.CausalLM`).
 
     Examples
     --------
@@ -106,7 +106,7 @@ def causal_lm(
     >>> ctx.template
     'embedded'
     """
-    from dask_pcm.llm import CausalLM
+    from dask_pcm.loaders.llm import CausalLM
 
     template = None if source is None else os.fspath(source)
     loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)

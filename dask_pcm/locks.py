@@ -21,7 +21,8 @@ from pathlib import Path
 _POLL_SECONDS = 0.05
 
 
-def _lock_dir() -> Path:
+def lock_dir() -> Path:
+    """This host's folder of lock files (in the temporary folder, per user)."""
     path = Path(tempfile.gettempdir()) / f"dask-pcm-locks-{os.getuid()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -81,7 +82,7 @@ def host_slot(name: str, slots: int = 1) -> Iterator[int]:
     fds = []
     try:
         for i in range(slots):
-            fds.append(os.open(_lock_dir() / f"{safe}.{i}.lock", os.O_RDWR | os.O_CREAT, 0o644))
+            fds.append(os.open(lock_dir() / f"{safe}.{i}.lock", os.O_RDWR | os.O_CREAT, 0o644))
         while True:
             for i, fd in enumerate(fds):
                 try:

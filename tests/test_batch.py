@@ -16,8 +16,8 @@ from distributed import Client
 from distributed.utils import sync
 
 import dask_pcm
-from dask_pcm import batch
-from dask_pcm.batch import batch_cluster, job_options, parse_queue, walltime_seconds
+from dask_pcm.deploy import batch
+from dask_pcm.deploy.batch import batch_cluster, job_options, parse_queue, walltime_seconds
 
 
 def _script(kind: str, **kwargs) -> str:

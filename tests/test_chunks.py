@@ -10,7 +10,8 @@ from pathlib import Path
 import dask
 import pytest
 
-from dask_pcm.chunks import (
+from dask_pcm.exceptions import ModelSourceError
+from dask_pcm.templates.manifest import (
     MANIFEST_NAME,
     ChunkError,
     Manifest,
@@ -19,7 +20,6 @@ from dask_pcm.chunks import (
     read_chunk,
     verify_chunk,
 )
-from dask_pcm.exceptions import ModelSourceError
 
 KIB = 1024
 
@@ -139,3 +139,11 @@ def test_manifests_naming_files_outside_the_copy_are_refused(model_copy, tmp_pat
         TemplateWriter(crafted, dest)
     assert not (tmp_path / "deep" / "escaped").exists()
     assert not Path("/tmp/escaped").exists()
+
+
+def test_chunk_refs_carry_their_number_across_files(model_copy):
+    """Chunks are numbered across files; a ref's index is that number, not its place in
+    its file (verify_copy used it, and skipped every chunk past the first file's count)."""
+    manifest, _ = build_manifest(model_copy, 16 * KIB)
+    assert [r.index for r in manifest.chunks()] == list(range(manifest.nchunks))
+    assert len({r.path for r in manifest.chunks()}) > 1

@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError, ContextNotFoundError, ContextTimeoutError
-from dask_pcm.sources import resolve_source, template_files
+from dask_pcm.templates.sources import resolve_source, template_files
 
 # Loaders and tasks live at module level so that they pickle by reference.
 
@@ -63,7 +63,7 @@ def test_agnostic_loads_once_per_task(cluster, tiny_model_dir):
 
 
 def test_agnostic_reads_the_source_through_the_simulated_shared_fs(cluster, tiny_model_dir):
-    from dask_pcm.throttle import SharedBandwidth
+    from dask_pcm.testing.throttle import SharedBandwidth
 
     _, client = cluster
     nbytes = sum(f.stat().st_size for f in template_files(resolve_source(tiny_model_dir)))

@@ -14,8 +14,9 @@ import pandas as pd
 import pytest
 
 from dask_pcm.exceptions import FeverFormatError, OutputFolderError
-from dask_pcm.fever.run import model_digest, run_fever
+from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.store import LOCK
+from dask_pcm.fever.units import model_digest
 
 
 @pytest.fixture

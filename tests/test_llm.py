@@ -1,4 +1,4 @@
-"""The causal LM loader (dask_pcm.llm), on the tiny model and once on the real embedded model."""
+"""The causal LM loader (dask_pcm.loaders.llm), on the tiny model and once on the real embedded model."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 import torch
 from dask.base import tokenize
 
-import dask_pcm.embedded
-from dask_pcm.embedded import embedded_model_dir
+import dask_pcm.loaders.embedded
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
-from dask_pcm.llm import CausalLM, LanguageModel
+from dask_pcm.loaders.embedded import embedded_model_dir
+from dask_pcm.loaders.llm import CausalLM, LanguageModel
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_bad_options_are_rejected():
 
 
 def test_a_cpu_worker_batches_by_eight_unless_told(tiny_model_dir):
-    from dask_pcm.llm import CPU_BATCH_SIZE
+    from dask_pcm.loaders.llm import CPU_BATCH_SIZE
 
     assert CausalLM(device="cpu")(tiny_model_dir).batch_size == CPU_BATCH_SIZE == 8
     assert CausalLM(device="cpu", batch_size=3)(tiny_model_dir).batch_size == 3
@@ -192,7 +192,7 @@ def test_embedded_smollm2_answers_and_is_converted_only_once(monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("embedded model converted again")
 
-    monkeypatch.setattr(dask_pcm.embedded, "convert_gguf", no_conversion)
+    monkeypatch.setattr(dask_pcm.loaders.embedded, "convert_gguf", no_conversion)
     start = time.perf_counter()
     again = embedded_model_dir()
     assert time.perf_counter() - start < 1
@@ -223,7 +223,7 @@ def test_concurrent_loads_in_one_process_leave_later_loads_intact(tiny_model_dir
 def test_gpu_batch_size_follows_free_memory(tiny_lm):
     from types import SimpleNamespace
 
-    from dask_pcm.llm import GPU_MAX_BATCH_SIZE, _auto_batch_size
+    from dask_pcm.loaders.llm import GPU_MAX_BATCH_SIZE, _auto_batch_size
 
     def fake_torch(free_bytes: int) -> SimpleNamespace:
         cuda = SimpleNamespace(mem_get_info=lambda device: (free_bytes, 2 * free_bytes))

@@ -11,10 +11,11 @@ import dask
 import pytest
 from distributed import Client
 
-from dask_pcm.chunks import Manifest, build_manifest
 from dask_pcm.exceptions import TemplateFetchError
-from dask_pcm.p2p import TemplateStore, fetch_template
-from dask_pcm.throttle import SharedBandwidth
+from dask_pcm.templates.fetch import SourcePlanner, fetch
+from dask_pcm.templates.manifest import Manifest, build_manifest
+from dask_pcm.templates.serve import TemplateStore
+from dask_pcm.testing import SharedBandwidth, StaticPeers, ThrottledReader
 
 KIB = 1024
 
@@ -31,9 +32,10 @@ def _hold(manifest_json: str, root: str, dask_worker=None) -> None:
 
 
 async def _fetch(manifest_json, dest, peers, source, dask_worker=None):
-    path, report = await fetch_template(
-        dask_worker, Manifest.from_json(manifest_json), dest, peers, source
-    )
+    """Copy the template on this worker from ``peers`` (a fixed plan), else ``source``."""
+    manifest = Manifest.from_json(manifest_json)
+    planner = StaticPeers(peers)
+    path, report = await fetch(dask_worker, manifest, dest, source, planner=planner)
     return str(path), report.as_dict()
 
 
@@ -216,10 +218,11 @@ def test_source_reads_go_through_the_shared_bandwidth(template, tmp_path):
 
     manifest, root = template
     link = SharedBandwidth(manifest.total_bytes / 0.5, name=f"t-{uuid.uuid4().hex}")  # ~0.5 s
-    fake_worker = SimpleNamespace(address="tcp://nowhere:1")
+    reader = ThrottledReader(link, manifest.chunk_size)
+    fake_worker = SimpleNamespace(address="tcp://nowhere:1", extensions={}, handlers={})
     start = time.perf_counter()
     path, report = asyncio.run(
-        fetch_template(fake_worker, manifest, tmp_path / "copy", [], root, bandwidth=link)
+        fetch(fake_worker, manifest, tmp_path / "copy", root, SourcePlanner(), reader)
     )
     assert time.perf_counter() - start >= 0.45
     assert report.bytes_from_source == manifest.total_bytes
@@ -242,7 +245,7 @@ def test_workers_get_the_template_from_peers_and_build_the_same_model(
     import torch
 
     import dask_pcm
-    from dask_pcm.llm import CausalLM
+    from dask_pcm.loaders.llm import CausalLM
 
     cluster, client = inproc_cluster
     with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
@@ -339,7 +342,7 @@ def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_
     import torch
 
     import dask_pcm
-    from dask_pcm.llm import CausalLM
+    from dask_pcm.loaders.llm import CausalLM
 
     marker = tmp_path / "serving"
     total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes
@@ -389,7 +392,7 @@ def test_a_chunk_asked_for_while_the_copy_is_moved_into_place_is_still_served(te
     import asyncio
     from types import SimpleNamespace
 
-    from dask_pcm.chunks import TemplateWriter, read_chunk
+    from dask_pcm.templates.manifest import TemplateWriter, read_chunk
 
     manifest, root = template
 

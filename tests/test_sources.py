@@ -1,25 +1,22 @@
-"""Resolving model sources and staging template copies (dask_pcm.sources)."""
+"""Resolving model sources and staging template copies (dask_pcm.templates.sources)."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
 
-import dask_pcm.embedded
+import dask_pcm.loaders.embedded
 from dask_pcm.exceptions import ModelSourceError
-from dask_pcm.sources import (
+from dask_pcm.templates.manifest import build_manifest
+from dask_pcm.templates.sources import (
     EMBEDDED,
     ResolvedSource,
-    StagedTemplate,
     resolve_source,
-    stage_template,
     template_files,
 )
 
@@ -51,7 +48,7 @@ def _same_files(a: Path, b: Path) -> bool:
 @pytest.mark.parametrize("source", [None, EMBEDDED])
 def test_embedded_resolves_to_the_converted_directory(source, monkeypatch, tmp_path):
     # The real conversion is covered by the slow test in test_llm.py; here only the dispatch.
-    monkeypatch.setattr(dask_pcm.embedded, "embedded_model_dir", lambda: tmp_path)
+    monkeypatch.setattr(dask_pcm.loaders.embedded, "embedded_model_dir", lambda: tmp_path)
     assert resolve_source(source) == ResolvedSource("directory", tmp_path, EMBEDDED)
 
 
@@ -170,9 +167,9 @@ def test_hub_id_found_in_the_hub_cache(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache alone must do
     resolved = resolve_source("someone/tiny-llama")
     assert resolved == ResolvedSource("hub", snapshot, "someone/tiny-llama")
-    staged = stage_template("someone/tiny-llama", tmp_path / "staged")
-    assert staged.path.name.startswith("someone_tiny-llama-")
-    assert _same_files(staged.path, tiny_model_dir)
+    manifest, root = build_manifest("someone/tiny-llama")  # what a worker copies
+    assert root == snapshot
+    assert manifest == build_manifest(tiny_model_dir)[0]  # the same files, the same digest
 
 
 def test_hub_snapshot_without_safetensors_is_refused(tmp_path, monkeypatch):
@@ -231,7 +228,7 @@ def test_a_link_out_of_the_model_directory_is_refused(tiny_model_dir, tmp_path):
         template_files(resolve_source(model))
     assert str(elsewhere / "secrets.json") in str(e.value) and str(model) in str(e.value)
     with pytest.raises(ModelSourceError, match="symbolic link"):
-        stage_template(model, tmp_path / "staged")
+        build_manifest(model)  # so no worker copies it, nor serves it to peers
 
 
 def test_links_inside_the_model_directory_or_a_hub_cache_are_followed(tiny_model_dir, tmp_path):
@@ -257,112 +254,3 @@ def test_template_files_of_a_gguf_file(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert template_files(resolve_source(gguf)) == [gguf.resolve()]
-
-
-# -- stage_template ------------------------------------------------------------------------------
-
-
-def test_stage_copies_once_then_reuses(tiny_model_dir, tmp_path):
-    root = tmp_path / "templates"
-    first = stage_template(str(tiny_model_dir), root)
-    expected = sum(p.stat().st_size for p in template_files(resolve_source(tiny_model_dir)))
-    assert first.copied
-    assert first.nbytes == expected
-    assert first.path.parent == root
-    assert first.path.name.startswith("tiny-llama-")
-    assert _same_files(first.path, tiny_model_dir)
-
-    second = stage_template(str(tiny_model_dir), root)
-    assert second == StagedTemplate(first.path, expected, copied=False)
-
-
-def test_stage_recopies_an_incomplete_or_outdated_copy(tiny_model_dir, tmp_path):
-    model = _model_copy(tiny_model_dir, tmp_path / "m")
-    root = tmp_path / "templates"
-    staged = stage_template(model, root)
-
-    (staged.path / "tokenizer.json").unlink()  # e.g. a scratch cleaner removed it
-    again = stage_template(model, root)
-    assert again.copied
-    assert _same_files(again.path, model)
-
-    (model / "config.json").write_text('{"changed": true}')  # the source changed size
-    again = stage_template(model, root)
-    assert again.copied
-    assert (again.path / "config.json").read_text() == '{"changed": true}'
-
-
-def test_stage_removes_temporary_folders_of_dead_copies(tiny_model_dir, tmp_path):
-    root = tmp_path / "templates"
-    staged = stage_template(tiny_model_dir, root)
-    stale = root / f".{staged.path.name}.tmp-99999-deadbeef"
-    stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"half")
-    (staged.path / ".pcm-manifest.json").unlink()
-    assert stage_template(tiny_model_dir, root).copied
-    assert not stale.exists()
-
-
-def test_stage_a_gguf_file(tmp_path):
-    gguf = tmp_path / "source" / "weights.gguf"
-    gguf.parent.mkdir()
-    gguf.write_bytes(b"GGUF" * 1000)
-    staged = stage_template(gguf, tmp_path / "templates")
-    assert staged.path.name == "weights.gguf"
-    assert staged.path.read_bytes() == gguf.read_bytes()
-    assert staged.nbytes == 4000
-    assert resolve_source(staged.path).kind == "gguf"
-
-
-def test_sources_with_the_same_name_do_not_collide(tiny_model_dir, tmp_path):
-    a = _model_copy(tiny_model_dir, tmp_path / "a" / "model")
-    b = _model_copy(tiny_model_dir, tmp_path / "b" / "model")
-    (b / "config.json").write_text("{}")
-    root = tmp_path / "templates"
-    staged_a, staged_b = stage_template(a, root), stage_template(b, root)
-    assert staged_a.path != staged_b.path
-    assert _same_files(staged_a.path, a)
-    assert _same_files(staged_b.path, b)
-
-
-def test_folder_name_is_filesystem_safe(tiny_model_dir, tmp_path):
-    odd = _model_copy(tiny_model_dir, tmp_path / "my model (v2) ümlaut")
-    staged = stage_template(odd, tmp_path / "templates")
-    assert re.fullmatch(r"[A-Za-z0-9._-]+", staged.path.name)
-    assert _same_files(staged.path, odd)
-
-
-def test_two_threads_staging_at_once_make_one_intact_copy(tiny_model_dir, tmp_path):
-    root = tmp_path / "templates"
-    barrier = threading.Barrier(2)
-    results: list[StagedTemplate] = []
-    errors: list[BaseException] = []
-
-    def stage() -> None:
-        barrier.wait()
-        try:
-            results.append(stage_template(tiny_model_dir, root))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=stage) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-    assert not errors
-    assert sorted(r.copied for r in results) == [False, True]
-    assert results[0].path == results[1].path
-    assert _same_files(results[0].path, tiny_model_dir)
-    # one copy, no leftovers: the folder and its lock file
-    assert sorted(p.name for p in root.iterdir()) == sorted(
-        [results[0].path.name, f"{results[0].path.name}.lock"]
-    )
-
-
-def test_staging_a_missing_source_fails_with_its_path(tmp_path):
-    missing = tmp_path / "gone"
-    with pytest.raises(ModelSourceError, match="does not exist") as info:
-        stage_template(missing, tmp_path / "templates")
-    assert str(missing) in str(info.value)

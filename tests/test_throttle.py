@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_pcm.throttle import SharedBandwidth
+from dask_pcm.testing.throttle import SharedBandwidth
 
 MB = 1_000_000
 

@@ -10,34 +10,33 @@ computes only the missing units, and no row is written twice."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import dask_pcm
+from dask_pcm import client as pcm
+from dask_pcm import config
+from dask_pcm.context import causal_lm
+from dask_pcm.deploy.batch import KINDS, batch_cluster
+from dask_pcm.deploy.local import local_cluster
 from dask_pcm.fever.data import (
     LABELS,
-    Claim,
-    ClaimSet,
     demo_claims,
     load_claims,
     sample_claims,
 )
-from dask_pcm.fever.scoring import UNPARSEABLE, check_method, score_generate, score_logits
+from dask_pcm.fever.scoring import UNPARSEABLE, check_method
 from dask_pcm.fever.store import OutputStore
-from dask_pcm.fever.templates import PromptTemplate, get_templates
+from dask_pcm.fever.templates import get_templates
+from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance, score_unit
 
 if TYPE_CHECKING:
     import pandas as pd
     from distributed import Client
 
 logger = logging.getLogger(__name__)
-
-CONTEXT = "fever-llm"
 
 
 @dataclass
@@ -52,7 +51,8 @@ class FeverResult:
     predictions
         One row per claim and template: ``claim_id, template, label, predicted``, the
         scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
-        ``model_digest`` (the model's content digest, :func:`model_digest`).
+        ``model_digest`` (the model's content digest,
+        :func:`~dask_pcm.fever.units.model_digest`).
     report
         ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``workers``
         (per worker: context loads, load seconds and the context tasks it ran in this run).
@@ -61,33 +61,6 @@ class FeverResult:
     summary: pd.DataFrame
     predictions: pd.DataFrame
     report: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Unit:
-    template: PromptTemplate
-    index: int
-    claims: tuple[Claim, ...]
-
-    @property
-    def name(self) -> str:
-        return f"{self.template.name}--{self.index:05d}"
-
-
-def score_unit(
-    template: PromptTemplate, claims: Sequence[Claim], method: str, context: str = CONTEXT
-) -> list[dict[str, Any]]:
-    """The task: score ``claims`` under ``template`` with the worker's resident model."""
-    lm = dask_pcm.get_context(context)
-    prompts = [template.render(c.claim, lm.tokenizer) for c in claims]
-    if method == "logits":
-        scored = score_logits(lm, prompts, template.answers)
-    else:
-        scored = score_generate(lm, prompts, template.answers)
-    return [
-        {"claim_id": c.id, "template": template.name, "label": c.label, **row}
-        for c, row in zip(claims, scored, strict=True)
-    ]
 
 
 #: Most worker jobs of a batch cluster that run_fever starts itself (``workers`` unset).
@@ -161,7 +134,7 @@ def run_fever(
     >>> result.summary[["template", "accuracy", "n"]]            # doctest: +SKIP
     """
     check_method(method)
-    dask_pcm.config.check_level(level)
+    config.check_level(level)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if errors not in ("raise", "skip"):
@@ -172,25 +145,21 @@ def run_fever(
     if limit is not None:
         claims = sample_claims(claims, limit, seed=seed)
     chosen = get_templates(templates, num_templates)
-    units = [
-        _Unit(t, i, tuple(claims.claims[start : start + batch_size]))
-        for t in chosen
-        for i, start in enumerate(range(0, len(claims), batch_size))
-    ]
-    context = dask_pcm.causal_lm(model, name=CONTEXT)
-    provenance = _provenance(context, claims, chosen, method, batch_size)
+    units = make_units(chosen, claims, batch_size)
+    context = causal_lm(model, name=CONTEXT)
+    recorded = provenance(context, claims, chosen, method, batch_size)
 
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        store = stack.enter_context(OutputStore(output, provenance)) if output else None
+        store = stack.enter_context(OutputStore(output, recorded)) if output else None
         done = store.done({u.name: len(u.claims) for u in units}) if store else set()
         todo = [u for u in units if u.name not in done]
         client, owned = _client(cluster, workers)
         try:
-            dask_pcm.register(client, context, level=level)
+            pcm.register(client, context, level=level)
             before = _tasks_by_worker(client)
-            rows = _compute(client, todo, method, store, provenance["model_digest"], progress)
-            after = dask_pcm.status(client, [CONTEXT])
+            rows = _compute(client, todo, method, store, recorded["model_digest"], progress)
+            after = pcm.status(client, [CONTEXT])
         finally:
             if owned:
                 cluster_obj = client.cluster
@@ -253,12 +222,10 @@ def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
     from distributed import Client
 
     if cluster is None or cluster == "local":
-        return Client(dask_pcm.local_cluster(n_workers=workers)), True
+        return Client(local_cluster(n_workers=workers)), True
     if isinstance(cluster, Client):
         return cluster, False
     if isinstance(cluster, str):
-        from dask_pcm.batch import KINDS, batch_cluster
-
         if cluster.lower() not in KINDS:
             raise ValueError(f"cluster={cluster!r}: one of 'local', {', '.join(map(repr, KINDS))}")
         # Worker jobs come and go as the units need them; the site's job settings come
@@ -271,13 +238,13 @@ def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
 
 
 def _tasks_by_worker(client: Client) -> dict[str, int]:
-    table = dask_pcm.status(client, [CONTEXT])
+    table = pcm.status(client, [CONTEXT])
     return {r.worker: int(r.tasks) for r in table.itertuples()}
 
 
 def _compute(
     client: Client,
-    todo: list[_Unit],
+    todo: list[Unit],
     method: str,
     store: OutputStore | None,
     model_digest: str,
@@ -286,8 +253,8 @@ def _compute(
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
-    def submit(i: int, u: _Unit) -> Any:
-        return dask_pcm.submit(
+    def submit(i: int, u: Unit) -> Any:
+        return pcm.submit(
             client,
             score_unit,
             u.template,
@@ -352,55 +319,3 @@ def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="units", unit="unit")
-
-
-def _provenance(
-    context: Any, claims: ClaimSet, templates: list[PromptTemplate], method: str, batch_size: int
-) -> dict[str, Any]:
-    """What determines this run's predictions, for the output folder (see ``store.py``)."""
-    import dataclasses
-
-    digest = hashlib.sha256()
-    for c in claims.claims:
-        digest.update(f"{c.id}\t{c.label}\t{c.claim}\n".encode())
-    loader = context.loader
-    options: Any = repr(loader)
-    if dataclasses.is_dataclass(loader) and not isinstance(loader, type):
-        options = dataclasses.asdict(loader)
-    return {
-        "model": context.template,
-        "model_digest": model_digest(context.template),
-        "loader": {"class": type(loader).__qualname__, "options": options},
-        "method": method,
-        "batch_size": batch_size,
-        "claims": digest.hexdigest(),
-        "templates": {
-            t.name: {"text": t.text, "chat": t.chat, "answers": list(t.answers)} for t in templates
-        },
-    }
-
-
-# Provenance hashes the model in chunks of this size whatever pcm.template.chunk-size is, so
-# that a digest recorded in an output folder does not change with that setting.
-_PROVENANCE_CHUNK = 64 * 2**20
-
-
-def model_digest(model: str | os.PathLike[str] | None) -> str:
-    """The content digest of a model: what it is, whatever path names it.
-
-    For a local directory, ``.gguf`` file or the embedded model, the SHA-256 of its template
-    files (:func:`dask_pcm.chunks.build_manifest`, cached by path, size and modification
-    time); for a hub id, ``hub:<id>@<revision>`` of the local snapshot.
-
-    Raises
-    ------
-    ModelSourceError
-        The model cannot be found (the message names the path).
-    """
-    from dask_pcm.chunks import build_manifest
-    from dask_pcm.sources import resolve_source
-
-    resolved = resolve_source(model)
-    if resolved.kind == "hub":
-        return f"hub:{resolved.origin}@{resolved.path.name}"
-    return build_manifest(model, _PROVENANCE_CHUNK)[0].digest

@@ -3,7 +3,7 @@
 | level | prepared once per worker | each task gets |
 |---|---|---|
 | ``full`` | the template copied to local disk, the context built and kept | the resident context |
-| ``partial`` | the template copied (or staged) to local disk | a context built from that copy |
+| ``partial`` | the template copied to local disk | a context built from that copy |
 | ``agnostic`` | nothing | a context built from the source (one source read) |
 
 :meth:`Level.fetch` runs outside the host's load slot (a copy waits on the network);
@@ -53,9 +53,8 @@ class Full(Level):
 class Partial(Level):
     name = "partial"
 
-    def prepare(self, plugin: ContextPlugin) -> None:
-        if plugin.manifest is None:  # a hub id: staged from the source, no peers
-            plugin.template.stage()
+    def fetch(self, plugin: ContextPlugin) -> None:
+        plugin.template.copy()  # with no manifest from the client (a hub id), from the source
 
 
 class Agnostic(Level):

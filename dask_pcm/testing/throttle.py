@@ -21,7 +21,9 @@ import os
 import struct
 import time
 
-from dask_pcm.locks import _lock_dir
+from dask_pcm.locks import lock_dir
+from dask_pcm.templates.manifest import Manifest
+from dask_pcm.templates.reader import SourceReader
 
 _STATE = struct.Struct("d")  # the time (epoch seconds) at which the link is next free
 
@@ -47,7 +49,7 @@ class SharedBandwidth:
 
     @property
     def _path(self) -> str:
-        return os.fspath(_lock_dir() / f"bandwidth-{self.name}.state")
+        return os.fspath(lock_dir() / f"bandwidth-{self.name}.state")
 
     def book(self, nbytes: int) -> float:
         """Reserve the link for ``nbytes``; return the time (epoch seconds) the read ends."""
@@ -77,3 +79,24 @@ class SharedBandwidth:
         """Forget the bookings (start of a benchmark round)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
+
+
+class ThrottledReader(SourceReader):
+    """A :class:`~dask_pcm.templates.reader.SourceReader` behind a :class:`SharedBandwidth`:
+    every chunk read, and every build's read at level ``agnostic``, waits for its share of
+    the host's link. What ``pcm.template.source-bandwidth`` puts in place of the plain reader.
+    """
+
+    def __init__(self, link: SharedBandwidth, chunk_size: int) -> None:
+        self.link = link
+        self.chunk_size = chunk_size
+
+    def read(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
+        self.link.consume(manifest.chunk(index).length)
+        return super().read(root, manifest, index)
+
+    def account(self, nbytes: int) -> float:
+        waited = 0.0
+        for start in range(0, nbytes, self.chunk_size):
+            waited += self.link.consume(min(self.chunk_size, nbytes - start))
+        return waited

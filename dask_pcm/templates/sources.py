@@ -3,8 +3,7 @@
 A *source* is what a user names as a model: ``None`` or ``"embedded"`` (the embedded
 SmolLM2), a local directory in Hugging Face layout, a single ``.gguf`` file, or a hub id such as
 ``"HuggingFaceTB/SmolLM2-135M-Instruct"``. :func:`resolve_source` turns it into local files,
-:func:`template_files` lists the files that make up the template and :func:`stage_template`
-copies them once onto a worker's local disk (the ``partial`` context level).
+:func:`template_files` lists the files that make up the template.
 
 Only formats that cannot run code when loaded are accepted: pickle checkpoints (``*.bin``,
 ``*.pt``, ``*.pth``) are refused everywhere, because loading one executes whatever it contains.
@@ -13,19 +12,15 @@ Only formats that cannot run code when loaded are accepted: pickle checkpoints (
 from __future__ import annotations
 
 import fnmatch
-import hashlib
-import json
 import logging
 import os
 import re
-import shutil
 import threading
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from dask_pcm import embedded, locks
 from dask_pcm.exceptions import ModelSourceError
+from dask_pcm.loaders import embedded
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +50,6 @@ _HUB_PATTERNS = [p for p in SAFE_PATTERNS if p != "*.gguf"]
 # An ``owner/name`` repository id as the hub allows it; anything else is treated as a path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
-_MANIFEST = ".pcm-manifest.json"
 _PROBE_SECONDS = 3.0
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -78,25 +72,6 @@ class ResolvedSource:
     kind: str
     path: Path
     origin: str
-
-
-@dataclass(frozen=True)
-class StagedTemplate:
-    """A template copied onto a worker's local disk by :func:`stage_template`.
-
-    Parameters
-    ----------
-    path
-        What to hand the loader: the local directory, or the local ``.gguf`` file.
-    nbytes
-        Total size of the template's files.
-    copied
-        ``False`` when a complete copy from an earlier call was reused.
-    """
-
-    path: Path
-    nbytes: int
-    copied: bool
 
 
 def resolve_source(source: str | os.PathLike[str] | None) -> ResolvedSource:
@@ -190,76 +165,6 @@ def _check_links(resolved: ResolvedSource, files: list[Path]) -> None:
                 f"'{target}', outside the model directory and the Hugging Face cache; copy the "
                 "file into the directory (links are followed only inside it)"
             )
-
-
-def stage_template(
-    source: str | os.PathLike[str] | None, dest_root: str | os.PathLike[str]
-) -> StagedTemplate:
-    """Copy a source's template files once into a local folder under ``dest_root``.
-
-    Safe between processes and threads of one host: the copy happens under a host-wide lock
-    into a temporary folder that is renamed into place, with a manifest (file names and sizes)
-    written last. A later call that finds a complete copy matching the source reuses it.
-
-    Parameters
-    ----------
-    source
-        Anything :func:`resolve_source` accepts.
-    dest_root
-        The worker-local folder that holds template copies (created if missing).
-
-    Returns
-    -------
-    StagedTemplate
-
-    Example
-    -------
-    >>> staged = stage_template("/shared/models/my-llama", "/scratch/templates")  # doctest: +SKIP
-    >>> staged.path, staged.copied  # doctest: +SKIP
-    (PosixPath('/scratch/templates/my-llama-3f2a9c1e'), True)
-    """
-    resolved = resolve_source(source)
-    files = template_files(resolved)
-    sizes = {f.name: f.stat().st_size for f in files}
-    if len(sizes) != len(files):
-        raise ModelSourceError(f"model source '{resolved.path}' has two files of one name")
-    nbytes = sum(sizes.values())
-
-    root = Path(dest_root)
-    root.mkdir(parents=True, exist_ok=True)
-    name = _folder_name(resolved)
-    dest = root / name
-
-    def result(copied: bool) -> StagedTemplate:
-        path = dest / resolved.path.name if resolved.kind == "gguf" else dest
-        return StagedTemplate(path, nbytes, copied)
-
-    with locks.file_lock(root / f"{name}.lock"):
-        if _complete(dest, sizes):
-            logger.debug("reusing staged template %s for %s", dest, resolved.origin)
-            return result(copied=False)
-        # We hold the lock, so temporary folders left here belong to processes that died.
-        for stale in root.glob(f".{name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir()
-        try:
-            for f in files:
-                shutil.copyfile(f, tmp / f.name)
-            (tmp / _MANIFEST).write_text(json.dumps({"source": str(resolved.path), "files": sizes}))
-            if dest.exists():
-                # An incomplete or outdated copy: os.replace cannot replace a non-empty folder.
-                old = root / f".{name}.tmp-old-{uuid.uuid4().hex[:8]}"
-                os.replace(dest, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    logger.info(
-        "staged %d files (%d bytes) of %s into %s", len(files), nbytes, resolved.origin, dest
-    )
-    return result(copied=True)
 
 
 def _is_safe(name: str) -> bool:
@@ -378,28 +283,3 @@ def _hub_problem(url: str, timeout: float) -> str | None:
         return f"no answer from {url} within {timeout:g} s"
     proxy = urllib.request.getproxies().get(url.split(":", 1)[0])
     return None if outcome[0] is None else outcome[0] + (f" through proxy {proxy}" if proxy else "")
-
-
-def _folder_name(resolved: ResolvedSource) -> str:
-    # Readable part from what the user typed, hash of the resolved path so that two sources
-    # with the same readable part (e.g. two folders called "model") never share a copy.
-    readable = Path(resolved.origin.rstrip("/\\")).name or resolved.origin
-    if resolved.origin == EMBEDDED or _HUB_ID.match(resolved.origin):
-        readable = resolved.origin
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", readable).strip("._-")[:60] or "model"
-    digest = hashlib.sha256(str(resolved.path).encode()).hexdigest()[:8]
-    return f"{safe}-{digest}"
-
-
-def _complete(dest: Path, sizes: dict[str, int]) -> bool:
-    try:
-        manifest = json.loads((dest / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if manifest.get("files") != sizes:
-        return False
-    # The manifest is written last, but a file may have been removed since (scratch cleaners).
-    try:
-        return all((dest / n).stat().st_size == s for n, s in sizes.items())
-    except OSError:
-        return False

@@ -8,7 +8,7 @@ workers hold the same template exactly when their digests match.
 
 Everything here streams: hashing reads a file in 1 MiB pieces, a chunk is read or written on
 its own, so memory stays bounded by one chunk whatever the model's size. Only the files
-:func:`dask_pcm.sources.template_files` admits are ever listed (safetensors, GGUF, JSON and
+:func:`dask_pcm.templates.sources.template_files` admits are ever listed (safetensors, GGUF, JSON and
 text tokenizer files; never pickle checkpoints).
 
 Building a manifest hashes every byte of the template once; the result is cached under
@@ -34,6 +34,7 @@ from typing import Any
 
 from dask_pcm import config
 from dask_pcm.exceptions import ChunkError
+from dask_pcm.templates.sources import resolve_source, template_files
 
 __all__ = [
     "FORMAT",
@@ -95,12 +96,13 @@ class Manifest:
         """The file range of chunk ``index`` (chunks are numbered across files, in order)."""
         if not 0 <= index < self.nchunks:
             raise ChunkError(f"chunk {index} out of range: template has {self.nchunks} chunks")
+        local = index  # the chunk's number within its file
         for entry in self.files:
-            if index < len(entry.chunks):
-                offset = index * self.chunk_size
+            if local < len(entry.chunks):
+                offset = local * self.chunk_size
                 length = min(self.chunk_size, entry.size - offset)
-                return ChunkRef(index, entry.path, offset, length, entry.chunks[index])
-            index -= len(entry.chunks)
+                return ChunkRef(index, entry.path, offset, length, entry.chunks[local])
+            local -= len(entry.chunks)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def chunks(self) -> Iterator[ChunkRef]:
@@ -213,7 +215,7 @@ def build_manifest(
 ) -> tuple[Manifest, Path]:
     """The manifest of ``source`` and the folder its file paths are relative to.
 
-    ``source`` is anything :func:`dask_pcm.sources.resolve_source` takes (a model directory, a
+    ``source`` is anything :func:`dask_pcm.templates.sources.resolve_source` takes (a model directory, a
     ``.gguf`` file, a hub id in the local cache, ``None`` or ``"embedded"``).
 
     Raises
@@ -221,8 +223,6 @@ def build_manifest(
     ModelSourceError
         The source cannot be resolved or holds no template files.
     """
-    from dask_pcm.sources import resolve_source, template_files
-
     size = size or chunk_size()
     resolved = resolve_source(source)
     paths = template_files(resolved)

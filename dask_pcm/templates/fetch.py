@@ -1,24 +1,26 @@
-"""Peer-to-peer templates: workers serve the chunks of the templates they hold, and fetch
-the templates they lack from peers, verified chunk by chunk, before reading the source.
+"""Copying a template to a worker's disk: chunk by chunk, from peers or the source.
 
-Every worker has one :class:`TemplateStore` (``worker.extensions["dask-pcm-templates"]``). It
-registers the comm handler ``pcm_template_chunk`` on the worker, which answers
-``(digest, index)`` with that chunk read from disk, at most ``pcm.template.max-uploads`` at once
-(the others wait their turn). :func:`fetch_coordinated` runs on a joining worker: in rounds it
-asks the scheduler's chunk directory who holds each missing chunk of a
-:class:`~dask_pcm.chunks.Manifest`, asks those peers (several chunks at once), verifies each
-chunk against its SHA-256 and writes it into the worker's local copy through a
-:class:`~dask_pcm.chunks.TemplateWriter`; what nobody holds comes from the source, read through
-an optional :class:`~dask_pcm.throttle.SharedBandwidth` (the simulated shared filesystem).
-Memory held at once is bounded by the chunks in flight, never the template's size.
+:func:`fetch` assembles a template (its :class:`~dask_pcm.templates.manifest.Manifest`) in a
+:class:`~dask_pcm.templates.manifest.TemplateWriter`, in rounds: a *planner* says where each
+missing chunk should come from now, the chunks are fetched (a few at once), verified against
+their SHA-256 and written, and the planner is told. :class:`DirectoryPlanner` asks the
+scheduler's chunk directory (:mod:`dask_pcm.scheduler.directory`): peers for every chunk
+someone holds, whole copies and partial ones, and a source lease for a couple of chunks nobody
+holds, so workers that join together split the source between them and share the rest;
+meanwhile the copy serves what it already holds (:mod:`dask_pcm.templates.serve`).
+:class:`SourcePlanner` (``pcm.template.peer-to-peer: false``) plans every chunk from the
+source. Source reads go through a :class:`~dask_pcm.templates.reader.SourceReader` (which
+tests and benchmarks replace with a throttled one). Memory held at once is bounded by the
+chunks in flight, never the template's size.
 
 Faults are bounded, never retried forever: every chunk request has a deadline
-(``pcm.template.peer-connect-timeout`` plus the chunk at ``pcm.template.peer-min-bandwidth``),
-after which its connection is aborted; a peer that fails once, or serves
-:data:`MAX_BAD_CHUNKS` chunks that fail verification, is dropped for the copy (one warning per
-peer) and the directory stops offering it for those chunks; the whole copy ends with a
+(:func:`dask_pcm.config.peer_deadline`), after which its connection is aborted; a peer that
+fails once, or serves :data:`MAX_BAD_CHUNKS` chunks that fail verification, is dropped for the
+copy (one warning per peer) and the directory stops offering it for those chunks; what no
+usable peer holds comes from the source; the whole copy ends with a
 :class:`~dask_pcm.TemplateFetchError` naming every peer and what it did after
-``pcm.template.fetch-timeout``.
+``pcm.template.fetch-timeout``, or after ``_MAX_FRUITLESS_ROUNDS`` rounds in a row that
+brought no chunk.
 """
 
 from __future__ import annotations
@@ -27,96 +29,59 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from distributed.protocol import to_serialize
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dask_pcm import config
-from dask_pcm.chunks import ChunkError, Manifest, TemplateWriter, read_chunk
-from dask_pcm.exceptions import TemplateFetchError
+from dask_pcm.exceptions import ChunkError, TemplateFetchError
+from dask_pcm.protocol import CHUNK_HAVE_OP, CHUNK_OP, CHUNK_PLAN_OP
+from dask_pcm.templates.manifest import Manifest, TemplateWriter
+from dask_pcm.templates.reader import SourceReader, source_reader
+from dask_pcm.templates.serve import TemplateStore
 
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_pcm.throttle import SharedBandwidth
-
 logger = logging.getLogger(__name__)
 
-EXTENSION = "dask-pcm-templates"
-HANDLER = "pcm_template_chunk"
+
+class Planner(Protocol):
+    """Where the missing chunks of one copy should come from now, and who holds what."""
+
+    async def plan(self, missing: list[int]) -> dict[str, Any]:
+        """``{"peers": {index: [workers]}, "source": [indexes]}``."""
+        ...
+
+    async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
+        """``worker`` holds ``indexes`` now (and ``released``, ``lost``, ``bad``)."""
+        ...
 
 
-class TemplateStore:
-    """The templates one worker holds complete, by digest, and the handler serving them."""
+class DirectoryPlanner:
+    """Plans from the scheduler's chunk directory (peer to peer)."""
 
-    def __init__(self, worker: Worker, max_uploads: int | None = None) -> None:
+    def __init__(self, worker: Worker, digest: str) -> None:
         self.worker = worker
-        self.held: dict[str, tuple[Path, Manifest]] = {}
-        self.partial: dict[str, TemplateWriter] = {}
-        limit = max_uploads or int(config.get("template.max-uploads", 4))
-        self._uploads = asyncio.Semaphore(limit)
-        self.max_uploads = limit
-        self.active_uploads = 0
-        self.peak_uploads = 0
-        self.bytes_served = 0
-        worker.handlers[HANDLER] = self.serve
+        self.digest = digest
 
-    @classmethod
-    def of(cls, worker: Worker) -> TemplateStore:
-        """The store of ``worker``, created on first use (on the worker's event loop)."""
-        store = worker.extensions.get(EXTENSION)
-        if store is None:
-            store = worker.extensions[EXTENSION] = cls(worker)
-        return store
+    async def plan(self, missing: list[int]) -> dict[str, Any]:
+        rpc = getattr(self.worker.scheduler, CHUNK_PLAN_OP)
+        return await rpc(digest=self.digest, worker=self.worker.address, missing=missing)
 
-    def add(self, root: str | Path, manifest: Manifest) -> None:
-        """Offer the complete template at ``root`` to peers."""
-        self.held[manifest.digest] = (Path(root), manifest)
-        self.partial.pop(manifest.digest, None)
+    async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
+        rpc = getattr(self.worker.scheduler, CHUNK_HAVE_OP)
+        await rpc(digest=self.digest, worker=worker, indexes=indexes, **changes)
 
-    def add_partial(self, writer: TemplateWriter) -> None:
-        """Offer the chunks a template being assembled already has (its writer's staging)."""
-        self.partial[writer.manifest.digest] = writer
 
-    def _where(self, digest: str, index: int) -> tuple[Path, Manifest, bool]:
-        """Root and manifest holding chunk ``index``, and whether it is a partial copy."""
-        held = self.held.get(digest)
-        if held is not None:
-            return held[0], held[1], False
-        writer = self.partial.get(digest)
-        if writer is None or index in writer.missing:
-            raise ChunkError(
-                f"chunk {index} of template {digest[:12]}... is not held by {self.worker.address}"
-            )
-        return writer.staging, writer.manifest, True
+class SourcePlanner:
+    """Every chunk from the source (``pcm.template.peer-to-peer: false``)."""
 
-    async def serve(self, digest: str, index: int) -> Any:
-        """Comm handler: chunk ``index`` of template ``digest``, read from disk."""
-        for _ in range(50):
-            root, manifest, partial = self._where(digest, index)
-            async with self._uploads:
-                self.active_uploads += 1
-                self.peak_uploads = max(self.peak_uploads, self.active_uploads)
-                try:
-                    data = await asyncio.to_thread(read_chunk, root, manifest, index)
-                except FileNotFoundError:
-                    if not partial:
-                        raise
-                    data = None  # the copy was completed (moved into place) or abandoned
-                finally:
-                    self.active_uploads -= 1
-            if data is not None:
-                break
-            await asyncio.sleep(0.1)  # look again: complete by now, or gone
-        else:
-            raise ChunkError(f"chunk {index} of template {digest[:12]}... kept moving; try later")
-        self.bytes_served += len(data)
-        # As its own frame: the comm sends the buffer as it is instead of packing a copy of
-        # it into the message.
-        return to_serialize(data)
+    async def plan(self, missing: list[int]) -> dict[str, Any]:
+        return {"peers": {}, "source": list(missing)}
+
+    async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
+        pass
 
 
 @dataclass
@@ -195,7 +160,7 @@ async def _ask_peer(worker: Worker, peer: str, digest: str, index: int, deadline
     async def ask() -> Any:
         nonlocal comm
         comm = await worker.rpc.connect(peer, timeout=config.peer_connect_timeout())
-        return await send_recv(comm, op=HANDLER, digest=digest, index=index)
+        return await send_recv(comm, op=CHUNK_OP, digest=digest, index=index)
 
     try:
         data = await asyncio.wait_for(ask(), deadline)
@@ -229,7 +194,7 @@ class _Chunks:
         writer: TemplateWriter,
         report: FetchReport,
         source_root: str | Path | None,
-        bandwidth: SharedBandwidth | None,
+        reader: SourceReader,
         timeout: float | None,
     ) -> None:
         self.worker = worker
@@ -237,7 +202,7 @@ class _Chunks:
         self.manifest = writer.manifest
         self.report = report
         self.source_root = source_root
-        self.bandwidth = bandwidth
+        self.reader = reader
         self.timeout = timeout
         self.start = time.perf_counter()
 
@@ -305,9 +270,7 @@ class _Chunks:
             raise self.failure(
                 f"chunk {index} could not be had from any peer and no source was given"
             )
-        if self.bandwidth is not None:
-            await asyncio.to_thread(self.bandwidth.consume, self.manifest.chunk(index).length)
-        data = await asyncio.to_thread(read_chunk, self.source_root, self.manifest, index)
+        data = await asyncio.to_thread(self.reader.read, self.source_root, self.manifest, index)
         await asyncio.to_thread(self.writer.write, index, data)
         self.report.bytes_from_source += len(data)
         self.report.chunks_from_source += 1
@@ -332,39 +295,39 @@ def _timeout(timeout: float | str | None) -> float | None:
     return config.fetch_timeout() if timeout == "configured" else timeout  # type: ignore[return-value]
 
 
-async def fetch_coordinated(
+async def fetch(
     worker: Worker,
     manifest: Manifest,
     dest: str | Path,
     source_root: str | Path | None,
-    bandwidth: SharedBandwidth | None = None,
+    planner: Planner | None = None,
+    reader: SourceReader | None = None,
     in_flight: int = 4,
     timeout: float | str | None = "configured",
 ) -> tuple[Path, FetchReport]:
-    """Assemble a template with the scheduler's chunk directory, sharing as chunks arrive.
+    """Assemble ``manifest``'s template at ``dest`` on ``worker``; the path and a report.
 
-    In rounds: ask the scheduler plugin for a plan (``pcm_chunk_plan``: peers for every
-    missing chunk someone holds, partial copies included, and a source lease for at most a
-    couple of chunks nobody holds or is reading), get those chunks (``in_flight`` at once),
-    report each one held (``pcm_chunk_have``), and serve the chunks held so far to others.
-    Workers that join together thus split the source between them and exchange the rest,
-    instead of each reading the whole template from it.
+    Runs on the worker's event loop. ``planner`` defaults to :class:`DirectoryPlanner` (or
+    :class:`SourcePlanner` with ``pcm.template.peer-to-peer`` false), ``reader`` to
+    :func:`~dask_pcm.templates.reader.source_reader`, ``timeout`` to ``pcm.template.fetch-timeout``.
+    ``source_root`` is the folder the manifest's files are relative to (None: peers only).
 
-    Bounded: every request has a deadline (:func:`dask_pcm.config.peer_deadline`); a peer
-    that fails once or serves :data:`MAX_BAD_CHUNKS` corrupted chunks is dropped for this
-    copy, and the directory stops offering it for the chunks it failed; what no usable peer
-    holds comes from the source. The copy as a whole ends with :class:`TemplateFetchError`
-    after ``timeout`` seconds (default ``pcm.template.fetch-timeout``) or
-    ``_MAX_FRUITLESS_ROUNDS`` rounds in a row without a chunk.
+    Raises
+    ------
+    TemplateFetchError
+        A chunk could be had from nowhere, or the copy ran past its bounds.
     """
+    if planner is None:
+        peer_to_peer = config.get("template.peer-to-peer", True)
+        planner = DirectoryPlanner(worker, manifest.digest) if peer_to_peer else SourcePlanner()
+    reader = reader or source_reader()
     report = FetchReport()
     writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
     store = TemplateStore.of(worker)
-    store.add_partial(writer)
-    chunks = _Chunks(worker, writer, report, source_root, bandwidth, _timeout(timeout))
+    store.add_partial(writer)  # serve what arrives, at once
+    chunks = _Chunks(worker, writer, report, source_root, reader, _timeout(timeout))
     gate = asyncio.Semaphore(in_flight)
-    digest, me = manifest.digest, worker.address
-    directory = worker.scheduler
+    me = worker.address
 
     async def get(index: int, planned: list[str]) -> bool:
         """Chunk ``index`` from a planned peer, else (none usable) the source."""
@@ -376,36 +339,27 @@ async def fetch_coordinated(
                 tried = True
                 outcome = await chunks.from_peer(peer, index)
                 if outcome == _OK:
-                    await directory.pcm_chunk_have(digest=digest, worker=me, indexes=[index])
+                    await planner.have(me, [index])
                     return True
                 # The directory stops offering this peer for this chunk (to anyone, when
                 # it served bad bytes).
-                await directory.pcm_chunk_have(
-                    digest=digest,
-                    worker=peer,
-                    indexes=[],
-                    lost=[index],
-                    bad=[index] if outcome == _CORRUPT else [],
-                )
+                bad = [index] if outcome == _CORRUPT else []
+                await planner.have(peer, [], lost=[index], bad=bad)
             if tried:
                 return False  # planned again next round, without what failed
             try:
                 await chunks.from_source(index)
             finally:
                 if not planned and index in writer.missing:  # give the lease back
-                    await directory.pcm_chunk_have(
-                        digest=digest, worker=me, indexes=[], released=[index]
-                    )
-            await directory.pcm_chunk_have(digest=digest, worker=me, indexes=[index])
+                    await planner.have(me, [], released=[index])
+            await planner.have(me, [index])
             return True
 
     try:
         idle, fruitless = 0.05, 0
         while writer.missing:
             chunks.check_deadline()
-            plan = await directory.pcm_chunk_plan(
-                digest=digest, worker=me, missing=sorted(writer.missing)
-            )
+            plan = await planner.plan(sorted(writer.missing))
             report.rounds += 1
             work = [get(int(i), list(peers)) for i, peers in plan["peers"].items()]
             work += [get(int(i), []) for i in plan["source"]]
@@ -423,53 +377,11 @@ async def fetch_coordinated(
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
     except BaseException:
-        store.partial.pop(digest, None)
+        store.partial.pop(manifest.digest, None)
         held = sorted(set(range(manifest.nchunks)) - writer.missing)
         await asyncio.to_thread(writer.abort)
         with contextlib.suppress(Exception):
-            await directory.pcm_chunk_have(digest=digest, worker=me, indexes=[], lost=held)
-        raise
-    report.seconds = time.perf_counter() - chunks.start
-    return path, report
-
-
-async def fetch_template(
-    worker: Worker,
-    manifest: Manifest,
-    dest: str | Path,
-    peers: list[str],
-    source_root: str | Path | None,
-    bandwidth: SharedBandwidth | None = None,
-    per_peer: int = 2,
-    timeout: float | str | None = "configured",
-) -> tuple[Path, FetchReport]:
-    """Assemble ``manifest``'s template at ``dest`` from ``peers``, else from the source.
-
-    Without the scheduler's chunk directory (``pcm.template.peer-to-peer`` false: ``peers``
-    is empty and everything comes from the source). Each peer gets at most ``per_peer``
-    requests at once; the chunks a peer fails or corrupts go back in the queue for the
-    others (or the source), under the same bounds as :func:`fetch_coordinated`. Raises
-    :class:`TemplateFetchError` when a chunk cannot be had from anywhere.
-    """
-    report = FetchReport()
-    writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
-    chunks = _Chunks(worker, writer, report, source_root, bandwidth, _timeout(timeout))
-    queue: deque[int] = deque(range(manifest.nchunks))
-    live = [p for p in dict.fromkeys(peers) if chunks.usable(p)]
-
-    async def from_peer(peer: str) -> None:
-        while queue and chunks.usable(peer):
-            index = queue.popleft()
-            if await chunks.from_peer(peer, index) != _OK:
-                queue.append(index)  # to another peer, or the source
-
-    try:
-        await _all([from_peer(p) for _ in range(per_peer) for p in live])
-        while queue:
-            await chunks.from_source(queue.popleft())
-        path = await asyncio.to_thread(writer.finish)
-    except BaseException:
-        await asyncio.to_thread(writer.abort)
+            await planner.have(me, [], lost=held)
         raise
     report.seconds = time.perf_counter() - chunks.start
     return path, report

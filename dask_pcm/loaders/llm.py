@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
-from dask_pcm.sources import ResolvedSource, resolve_source
+from dask_pcm.templates.sources import ResolvedSource, resolve_source
 
 if TYPE_CHECKING:
     import torch
@@ -246,7 +246,7 @@ class CausalLM:
         return (type(self).__qualname__, self.device, self.dtype, self.batch_size)
 
     def __call__(self, location: str | os.PathLike[str] | None) -> LanguageModel:
-        """Load the model at ``location`` (anything :func:`dask_pcm.sources.resolve_source` takes).
+        """Load the model at ``location`` (anything :func:`dask_pcm.templates.sources.resolve_source` takes).
 
         Raises
         ------

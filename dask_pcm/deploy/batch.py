@@ -9,7 +9,7 @@ from keyword arguments. dask_pcm adds what its workers need:
 - a preemption warning: ``qsub -notify`` on Grid Engine, ``kill_sig = SIGUSR2`` with
   ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
   so that only the worker process reacts to it, by retiring gracefully
-  (:mod:`dask_pcm.preemption`);
+  (:mod:`dask_pcm.deploy.preemption`);
 - ``--lifetime`` and ``--lifetime-stagger`` from the walltime when one is set and the worker
   arguments name no lifetime: workers retire before the batch system kills them;
 - adaptive scaling (:class:`ContextAdaptive`) that never retires every worker holding a ready
@@ -19,7 +19,7 @@ from keyword arguments. dask_pcm adds what its workers need:
   submits replacements, so that ``scale(n)`` keeps ``n`` workers, not ``n`` job records.
 
 Workers that join later build the registered contexts themselves, their templates copied
-from peers that hold them (see :mod:`dask_pcm.p2p`).
+from peers that hold them (see :mod:`dask_pcm.templates.fetch`).
 """
 
 from __future__ import annotations

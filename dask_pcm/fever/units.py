@@ -1,0 +1,111 @@
+"""The work of a FEVER run: units, the task that scores one, and what its predictions depend on.
+
+A *unit* is one (template, batch of claims): one task on a worker, using the resident model
+context :data:`CONTEXT`. Its provenance (:func:`provenance`) is what determines its
+predictions: the model's content (:func:`model_digest`), the loader's options, the method,
+the batch size, the claims and the template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dask_pcm.fever.data import Claim, ClaimSet
+from dask_pcm.fever.scoring import score_generate, score_logits
+from dask_pcm.fever.templates import PromptTemplate
+from dask_pcm.tasks import get_context
+from dask_pcm.templates.manifest import build_manifest
+from dask_pcm.templates.sources import resolve_source
+
+#: The name of the model context a FEVER run registers.
+CONTEXT = "fever-llm"
+
+
+@dataclass(frozen=True)
+class Unit:
+    template: PromptTemplate
+    index: int
+    claims: tuple[Claim, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.template.name}--{self.index:05d}"
+
+
+def score_unit(
+    template: PromptTemplate, claims: Sequence[Claim], method: str, context: str = CONTEXT
+) -> list[dict[str, Any]]:
+    """The task: score ``claims`` under ``template`` with the worker's resident model."""
+    lm = get_context(context)
+    prompts = [template.render(c.claim, lm.tokenizer) for c in claims]
+    if method == "logits":
+        scored = score_logits(lm, prompts, template.answers)
+    else:
+        scored = score_generate(lm, prompts, template.answers)
+    return [
+        {"claim_id": c.id, "template": template.name, "label": c.label, **row}
+        for c, row in zip(claims, scored, strict=True)
+    ]
+
+
+def make_units(
+    templates: Sequence[PromptTemplate], claims: ClaimSet, batch_size: int
+) -> list[Unit]:
+    """Every (template, batch of ``batch_size`` claims), templates first."""
+    return [
+        Unit(t, i, tuple(claims.claims[start : start + batch_size]))
+        for t in templates
+        for i, start in enumerate(range(0, len(claims), batch_size))
+    ]
+
+
+def provenance(
+    context: Any, claims: ClaimSet, templates: list[PromptTemplate], method: str, batch_size: int
+) -> dict[str, Any]:
+    """What determines this run's predictions, for the output folder (see ``store.py``)."""
+    digest = hashlib.sha256()
+    for c in claims.claims:
+        digest.update(f"{c.id}\t{c.label}\t{c.claim}\n".encode())
+    loader = context.loader
+    options: Any = repr(loader)
+    if dataclasses.is_dataclass(loader) and not isinstance(loader, type):
+        options = dataclasses.asdict(loader)
+    return {
+        "model": context.template,
+        "model_digest": model_digest(context.template),
+        "loader": {"class": type(loader).__qualname__, "options": options},
+        "method": method,
+        "batch_size": batch_size,
+        "claims": digest.hexdigest(),
+        "templates": {
+            t.name: {"text": t.text, "chat": t.chat, "answers": list(t.answers)} for t in templates
+        },
+    }
+
+
+# Provenance hashes the model in chunks of this size whatever pcm.template.chunk-size is, so
+# that a digest recorded in an output folder does not change with that setting.
+_PROVENANCE_CHUNK = 64 * 2**20
+
+
+def model_digest(model: str | os.PathLike[str] | None) -> str:
+    """The content digest of a model: what it is, whatever path names it.
+
+    For a local directory, ``.gguf`` file or the embedded model, the SHA-256 of its template
+    files (:func:`dask_pcm.templates.manifest.build_manifest`, cached by path, size and modification
+    time); for a hub id, ``hub:<id>@<revision>`` of the local snapshot.
+
+    Raises
+    ------
+    ModelSourceError
+        The model cannot be found (the message names the path).
+    """
+    resolved = resolve_source(model)
+    if resolved.kind == "hub":
+        return f"hub:{resolved.origin}@{resolved.path.name}"
+    return build_manifest(model, _PROVENANCE_CHUNK)[0].digest

@@ -1,0 +1,112 @@
+"""One local copy per host and template: made once, reused after verification, remade when
+damaged, with leftovers of dead processes removed (dask_pcm.templates.local)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import dask
+import pytest
+
+from dask_pcm.templates.local import local_copy
+from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, TemplateWriter, build_manifest
+from dask_pcm.templates.reader import SourceReader
+
+KIB = 1024
+
+
+@pytest.fixture
+def template(tiny_model_dir: Path, tmp_path: Path) -> tuple[Manifest, Path]:
+    with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
+        return build_manifest(tiny_model_dir, 64 * KIB)
+
+
+class _FromSource:
+    """A ``make`` for local_copy: the template chunk by chunk from its source; counts calls."""
+
+    def __init__(self, manifest: Manifest, root: Path) -> None:
+        self.manifest, self.root, self.calls = manifest, root, 0
+
+    def __call__(self, dest: Path) -> None:
+        self.calls += 1
+        writer = TemplateWriter(self.manifest, dest)
+        for index in range(self.manifest.nchunks):
+            writer.write(index, SourceReader().read(self.root, self.manifest, index))
+        writer.finish()
+
+
+def _same_files(manifest: Manifest, a: Path, b: Path) -> bool:
+    return all((a / f.path).read_bytes() == (b / f.path).read_bytes() for f in manifest.files)
+
+
+def test_made_once_then_reused(template, tmp_path):
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    first = local_copy(tmp_path / "templates", manifest, make)
+    again = local_copy(tmp_path / "templates", manifest, make)
+    assert first == again == tmp_path / "templates" / manifest.digest[:16]
+    assert make.calls == 1
+    assert _same_files(manifest, first, root)
+
+
+def test_a_damaged_or_incomplete_copy_is_made_again(template, tmp_path):
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    dest = local_copy(tmp_path / "templates", manifest, make)
+    with open(dest / "model.safetensors", "r+b") as f:  # a bad disk, a partial write
+        f.seek(100)
+        f.write(b"\0" * 100)
+    assert local_copy(tmp_path / "templates", manifest, make) == dest
+    assert make.calls == 2
+    (dest / "tokenizer.json").unlink()  # a scratch cleaner removed it
+    local_copy(tmp_path / "templates", manifest, make)
+    assert make.calls == 3
+    assert _same_files(manifest, dest, root)
+    # Trusted (this process made it): not read again, so not remade.
+    (dest / "tokenizer.json").unlink()
+    local_copy(tmp_path / "templates", manifest, make, trusted=True)
+    assert make.calls == 3
+
+
+def test_staging_folders_of_dead_processes_are_removed(template, tmp_path):
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    dest = local_copy(tmp_path / "templates", manifest, make)
+    stale = dest.with_name(f".{dest.name}.99999.partial")  # a writer killed mid-copy
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    (dest / MANIFEST_NAME).unlink()  # and no complete copy
+    shutil.rmtree(dest)
+    local_copy(tmp_path / "templates", manifest, make)
+    assert not stale.exists()
+    assert _same_files(manifest, dest, root)
+
+
+def test_two_threads_at_once_make_one_intact_copy(template, tmp_path):
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    barrier = threading.Barrier(2)
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def copy() -> None:
+        barrier.wait()
+        try:
+            results.append(local_copy(tmp_path / "templates", manifest, make))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=copy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert make.calls == 1
+    assert results[0] == results[1]
+    assert _same_files(manifest, results[0], root)
+    # one copy, no leftovers: the folder and its lock file
+    names = sorted(p.name for p in (tmp_path / "templates").iterdir())
+    assert names == sorted([results[0].name, f".{results[0].name}.lock"])
