@@ -13,20 +13,19 @@ import argparse
 import json
 import multiprocessing
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
+
+import dask_pcm
+from dask_pcm.fever import LABELS, Claim, PromptTemplate, demo_claims
+from dask_pcm.fever import load_claims as read_claims
+from dask_pcm.fever.scoring import score_logits
 
 REPO = Path(__file__).resolve().parents[1]
-# Benchmarks run from a checkout, installed or not; worker processes inherit this sys.path.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import dask_pcm  # noqa: E402
 
 # transformers draws a "Loading weights" bar on every load, hundreds of lines at level agnostic;
 # set before any worker or process starts, so that all of them inherit it.
@@ -36,92 +35,14 @@ DEFAULT_DATA = REPO.parent / "shared" / "data" / "fever" / "paper_dev.jsonl"
 CONTEXT = "llm"
 TINY = "tiny"  # --model value for the tiny random model (smoke runs)
 
-# FEVER labels and the one-token answers the model is asked for, in the same order: the
-# predicted index of a claim is the answer whose first token has the highest next-token logit.
-LABELS = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
-ANSWERS = ("True", "False", "Unknown")
-INSTRUCTION = (
+# The prompt every benchmark scores each claim with: run_fever's own template machinery and
+# scoring (dask_pcm.fever), so that the benchmarks time the application's workload.
+TEMPLATE = PromptTemplate(
+    "benchmark",
     "Is the following claim true, false, or is there not enough information to tell? "
-    "Answer with one word: True, False or Unknown.\nClaim: {claim}"
-)
-
-
-class Claim(NamedTuple):
-    text: str
-    label: str
-
-
-# Used when the FEVER file is absent (a checkout without ../shared): written for these
-# benchmarks, not taken from FEVER. Labels follow FEVER's three classes.
-_S, _R, _N = LABELS
-BUILTIN_CLAIMS: tuple[Claim, ...] = tuple(
-    Claim(text, label)
-    for text, label in [
-        ("Paris is the capital of France.", _S),
-        ("Water freezes at 0 degrees Celsius at sea level.", _S),
-        ("The Pacific is the largest ocean on Earth.", _S),
-        ("Mount Everest is the highest mountain above sea level.", _S),
-        ("The Moon orbits the Earth.", _S),
-        ("Spiders have eight legs.", _S),
-        ("Tokyo is in Japan.", _S),
-        ("The Sun is a star.", _S),
-        ("A week has seven days.", _S),
-        ("Penguins are birds.", _S),
-        ("The Nile flows into the Mediterranean Sea.", _S),
-        ("Oxygen is a chemical element.", _S),
-        ("Canada is north of the United States.", _S),
-        ("Leonardo da Vinci painted the Mona Lisa.", _S),
-        ("The human heart has four chambers.", _S),
-        ("Mars is a planet of the Solar System.", _S),
-        ("Light travels faster than sound.", _S),
-        ("Berlin is the capital of Germany.", _S),
-        ("Dolphins are mammals.", _S),
-        ("A triangle has three sides.", _S),
-        ("Ice is frozen water.", _S),
-        ("Shakespeare wrote Hamlet.", _S),
-        ("Madrid is the capital of Italy.", _R),
-        ("The Sun orbits the Earth.", _R),
-        ("Spiders have six legs.", _R),
-        ("Penguins live at the North Pole.", _R),
-        ("Water boils at 50 degrees Celsius at sea level.", _R),
-        ("The Atlantic is the largest ocean on Earth.", _R),
-        ("Australia is in Europe.", _R),
-        ("A year has ten months.", _R),
-        ("Whales are fish.", _R),
-        ("Gold is a gas at room temperature.", _R),
-        ("The Eiffel Tower is in London.", _R),
-        ("Humans have three lungs.", _R),
-        ("Jupiter is the smallest planet of the Solar System.", _R),
-        ("Sound travels faster than light.", _R),
-        ("A square has five sides.", _R),
-        ("Charles Dickens wrote Hamlet.", _R),
-        ("The Amazon River is in Africa.", _R),
-        ("Snow is usually black.", _R),
-        ("Cats are reptiles.", _R),
-        ("Rome is the capital of Spain.", _R),
-        ("Anna Keller owns a red bicycle.", _N),
-        ("The baker in Lyon sold forty loaves last Tuesday.", _N),
-        ("Tom Ridley's favourite colour is green.", _N),
-        ("The village choir of Elmsworth has twelve members.", _N),
-        ("A small cafe in Porto opened in 1987.", _N),
-        ("Maria Santos learned to swim at the age of six.", _N),
-        ("The local football club of Hallby won a trophy in 1962.", _N),
-        ("Peter Brandt has visited Norway three times.", _N),
-        ("The author of an unpublished novel lives in Leeds.", _N),
-        ("A painter named Ivo Kral prefers oil paints.", _N),
-        ("The neighbour's dog is called Rex.", _N),
-        ("Laura Finch drinks tea every morning.", _N),
-        ("The corner shop on Elm Street sells umbrellas.", _N),
-        ("Jonas Weber once met a famous actor.", _N),
-        ("The school band of Millbrook plays jazz.", _N),
-        ("Sara Lind keeps a diary in French.", _N),
-        ("A fisherman from Bergen caught a large cod in May.", _N),
-        ("The garden of a house in Kent has an apple tree.", _N),
-        ("Mark Olsen is a vegetarian.", _N),
-        ("The town library of Dunmore closes at six.", _N),
-        ("An amateur astronomer in Ohio discovered a comet.", _N),
-        ("Elena Rossi speaks four languages.", _N),
-    ]
+    "Answer with one word: True, False or Unknown.\nClaim: {claim}",
+    chat=True,
+    answers=("True", "False", "Unknown"),
 )
 
 
@@ -165,32 +86,19 @@ def model_path(args: argparse.Namespace) -> str:
 
 # -- claims and scoring ----------------------------------------------------------------------
 def load_claims(path: Path | None, n: int) -> list[Claim]:
-    """The first ``n`` claims of a FEVER JSON-lines file (only ``claim`` and ``label`` are read).
+    """The first ``n`` claims of a FEVER JSON-lines file (:func:`dask_pcm.fever.load_claims`).
 
-    Without ``path``, reads :data:`DEFAULT_DATA` when it exists, else cycles through
-    :data:`BUILTIN_CLAIMS`.
+    Without ``path``, reads :data:`DEFAULT_DATA` when it exists, else cycles through the
+    built-in demo claims (:func:`dask_pcm.fever.demo_claims`).
     """
     if path is None and not DEFAULT_DATA.is_file():
-        return [BUILTIN_CLAIMS[i % len(BUILTIN_CLAIMS)] for i in range(n)]
+        pool = demo_claims().claims
+        return [pool[i % len(pool)] for i in range(n)]
     path = path or DEFAULT_DATA
-    claims: list[Claim] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if len(claims) == n:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                claim = Claim(str(record["claim"]), str(record["label"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a FEVER record ({exc!r})") from None
-            if claim.label not in LABELS:
-                raise ValueError(f"{path}:{lineno}: unknown label {claim.label!r}")
-            claims.append(claim)
+    claims = read_claims(path).claims
     if len(claims) < n:
         raise ValueError(f"{path} holds {len(claims)} claims, {n} needed")
-    return claims
+    return list(claims[:n])
 
 
 def batches(items: Sequence[Any], size: int) -> list[list[Any]]:
@@ -198,23 +106,16 @@ def batches(items: Sequence[Any], size: int) -> list[list[Any]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
-def answer_token_ids(tokenizer: Any) -> list[int]:
-    """First token id of each of :data:`ANSWERS`; they must differ."""
-    ids = [tokenizer.encode(word, add_special_tokens=False)[0] for word in ANSWERS]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"answers {ANSWERS} share a first token in this tokenizer: {ids}")
-    return ids
-
-
 def score(lm: Any, claims: Sequence[str]) -> list[int]:
-    """Predicted label index (into :data:`LABELS`) of each claim: one forward pass.
+    """Predicted label index (into ``LABELS``) of each claim: one forward pass, scored as
+    ``run_fever(method="logits")`` scores (:func:`dask_pcm.fever.scoring.score_logits`).
 
     The prompt goes through the chat template here, on the worker, because the template
     belongs to the tokenizer that lives in the context.
     """
-    prompts = [lm.chat_prompt(INSTRUCTION.format(claim=c)) for c in claims]
-    logits = lm.next_token_logits(prompts)
-    return logits[:, answer_token_ids(lm.tokenizer)].argmax(-1).tolist()
+    prompts = [TEMPLATE.render(c, lm.tokenizer) for c in claims]
+    rows = score_logits(lm, prompts, TEMPLATE.answers)
+    return [LABELS.index(r["predicted"]) for r in rows]
 
 
 def score_batch(claims: Sequence[str], context: str = CONTEXT) -> list[int]:

@@ -154,7 +154,7 @@ def main() -> None:
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, n)
-    texts = [c.text for c in claims]
+    texts = [c.claim for c in claims]
     print(
         f"{n} claims, batch sizes {sizes}, levels {levels}, {args.workers} workers x 1 thread, "
         f"model {model}; load average {os.getloadavg()[0]:.2f}"

@@ -337,7 +337,7 @@ def main() -> None:
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, n)
-    work = h.batches([c.text for c in claims], args.batch_size)
+    work = h.batches([c.claim for c in claims], args.batch_size)
     print(
         f"{n} claims in {len(work)} tasks of {args.batch_size}, {args.workers} workers x 1 thread, "
         f"model {model} ({template_bytes(model) / 1e6:.0f} MB), source "

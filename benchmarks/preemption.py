@@ -242,7 +242,7 @@ def main() -> None:
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, args.claims)
-    work = h.batches([c.text for c in claims], args.batch_size)
+    work = h.batches([c.claim for c in claims], args.batch_size)
     print(
         f"{window:g} s per level, one of {args.workers} workers x 1 thread killed every "
         f"{period:g} s; tasks of {args.batch_size} claims from {len(claims)}; model {model}; "

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
+from distributed import Client
 
+from dask_pcm import client as pcm
+from dask_pcm.config import LEVELS, default_level
+from dask_pcm.context import causal_lm
+from dask_pcm.deploy.batch import KINDS
+from dask_pcm.deploy.local import local_cluster
 from dask_pcm.exceptions import PCMError
+from dask_pcm.fever.data import ERRORS
+from dask_pcm.fever.run import run_fever
+from dask_pcm.fever.scoring import METHODS
+from dask_pcm.loaders.embedded import embedded_model_dir
+from dask_pcm.tasks import get_context
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -27,31 +41,41 @@ def main() -> None:
     """dask_pcm: worker-resident LLM contexts for high-throughput inference on Dask."""
 
 
-def _answer(question: str) -> str:
-    from dask_pcm.tasks import get_context
+# Options more than one command takes, and choice lists, declared once.
+MODEL = click.option(
+    "--model",
+    default=None,
+    help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct).",
+)
+LEVEL = click.option(
+    "--level",
+    type=click.Choice(LEVELS),
+    default=None,
+    help="Context level (default: pcm.default-level, 'full').",
+)
 
+
+def workers(default: int | None, text: str) -> Any:
+    return click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        help=text,
+    )
+
+
+def _answer(question: str) -> str:
     lm = get_context("demo")
     return str(lm.complete(lm.chat_prompt(question), max_new_tokens=16)).strip()
 
 
 @main.command()
-@click.option(
-    "--model",
-    default=None,
-    help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct).",
-)
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Local worker processes.",
-)
-@click.option(
-    "--level", type=click.Choice(["full", "partial", "agnostic"]), default="full", show_default=True
-)
+@MODEL
+@workers(2, "Local worker processes.")
+@LEVEL
 @click.option("--repeat", default=2, show_default=True, help="Times each question is asked.")
-def demo(model: str | None, workers: int, level: str, repeat: int) -> None:
+def demo(model: str | None, workers: int, level: str | None, repeat: int) -> None:
     """Register an LLM context on a local cluster and answer questions with it.
 
     Shows the context mechanism end to end: one load per worker at level full, every
@@ -64,20 +88,14 @@ def demo(model: str | None, workers: int, level: str, repeat: int) -> None:
         raise click.ClickException(str(exc)) from exc
 
 
-def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
-    from distributed import Client
-
-    from dask_pcm import client as pcm
-    from dask_pcm.context import causal_lm
-    from dask_pcm.deploy.local import local_cluster
-    from dask_pcm.loaders.embedded import embedded_model_dir
-
+def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> None:
     if model is None:
         click.echo("Preparing the embedded SmolLM2-135M-Instruct (converted once, then cached)...")
         embedded_model_dir()
     start = time.perf_counter()
     with local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
         click.echo(f"Cluster: {workers} workers, dashboard {client.dashboard_link}")
+        level = level or default_level()
         context = causal_lm(model, name="demo", level=level)
         pcm.register(client, context)
         click.echo(
@@ -99,24 +117,26 @@ def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
 @click.option(
     "--data", type=click.Path(dir_okay=False), help="FEVER JSON lines (default: a small demo set)."
 )
-@click.option(
-    "--model",
-    default=None,
-    help="HF directory, .gguf file or hub id (default: embedded SmolLM2-135M-Instruct).",
-)
+@MODEL
 @click.option(
     "--templates",
     default=None,
     help="Built-in template names 'a,b' or a template file (default: all built-ins).",
 )
 @click.option("--num-templates", type=int, default=None, help="Keep the first N templates.")
+@LEVEL
 @click.option(
-    "--level", type=click.Choice(["full", "partial", "agnostic"]), default="full", show_default=True
+    "--claims-per-task",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Claims each task scores (default 16).",
 )
-@click.option("--batch-size", type=int, default=16, show_default=True, help="Claims per task.")
+@click.option(
+    "--batch-size", type=click.IntRange(min=1), hidden=True, help="Old name of --claims-per-task."
+)
 @click.option("--limit", type=int, default=None, help="Score a stratified sample of N claims.")
 @click.option(
-    "--method", type=click.Choice(["logits", "generate"]), default="logits", show_default=True
+    "--method", type=click.Choice(METHODS), default=None, help="Scoring (default logits)."
 )
 @click.option(
     "--output",
@@ -133,24 +153,20 @@ def _demo(model: str | None, workers: int, level: str, repeat: int) -> None:
 )
 @click.option(
     "--errors",
-    type=click.Choice(["raise", "skip"]),
-    default="raise",
-    show_default=True,
-    help="Malformed FEVER lines.",
+    type=click.Choice(ERRORS),
+    default=None,
+    help="Malformed FEVER lines: raise (default) or skip.",
 )
 @click.option(
     "--cluster",
-    type=click.Choice(["local", "sge", "htcondor"]),
+    type=click.Choice(["local", *KINDS]),
     default="local",
     show_default=True,
     help="Where workers run: local processes, or Grid Engine / HTCondor jobs "
     "(dask-jobqueue configuration: jobqueue.sge / jobqueue.htcondor).",
 )
-@click.option(
-    "--workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Local worker processes (default: one per core), or the most worker jobs (default 4).",
+@workers(
+    None, "Local worker processes (default: one per core), or the most worker jobs (default 4)."
 )
 def fever(json_path: str | None, **options: Any) -> None:
     """Rank prompt templates for an LLM as a FEVER fact checker.
@@ -158,15 +174,12 @@ def fever(json_path: str | None, **options: Any) -> None:
     Prints one row per template, best first: accuracy, number of claims, macro-F1 and the
     recall of each label.
     """
-    import json
-
-    from dask_pcm.fever.run import run_fever
-
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if json_path:
         _check_writable(json_path, "--json")  # before the run, not after it
+    given = {k: v for k, v in options.items() if v is not None}  # run_fever has the defaults
     try:
-        result = run_fever(**options)
+        result = run_fever(**given)
     except (PCMError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     with pd_options():
@@ -192,9 +205,6 @@ def fever(json_path: str | None, **options: Any) -> None:
 
 def _check_writable(path: str, option: str) -> None:
     """Create the parent folders of ``path`` and check a file can be written there."""
-    import os
-    from pathlib import Path
-
     parent = Path(path).expanduser().absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

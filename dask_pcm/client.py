@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
+
+from dask.utils import parse_timedelta
+from distributed.protocol.pickle import dumps
 
 from dask_pcm import config
 from dask_pcm.context import Context
 from dask_pcm.deploy.preemption import GracefulPreemption
-from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError
+from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError, PCMError
 from dask_pcm.protocol import COLUMNS
 from dask_pcm.scheduler import ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
+from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
 
 if TYPE_CHECKING:
@@ -126,16 +131,11 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
     ``pcm.template.peer-to-peer`` is false, and build the context from that copy. Hub ids
     and custom templates are read by each worker from the source.
     """
-    import os
-
     template = ctx.template
     if level == "agnostic":
         return None
     if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
         return None
-    from dask_pcm.exceptions import PCMError
-    from dask_pcm.templates.manifest import build_manifest
-
     try:
         manifest, _ = build_manifest(template)
     except PCMError as exc:
@@ -179,8 +179,6 @@ async def _wait_ready(
 
 
 def _already_registered(client: Client, plugin: ContextPlugin) -> bool:
-    from distributed.protocol.pickle import dumps
-
     def stored(name: str, dask_scheduler: Any = None) -> bytes | None:
         return dask_scheduler.worker_plugins.get(name)
 
@@ -188,8 +186,6 @@ def _already_registered(client: Client, plugin: ContextPlugin) -> bool:
 
 
 def _seconds(value: float | str) -> float:
-    from dask.utils import parse_timedelta
-
     return float(parse_timedelta(value, default="s"))
 
 

@@ -24,10 +24,12 @@ dask.config.update_defaults(_DEFAULTS)
 LEVELS = ("full", "partial", "agnostic")
 
 
-def get(key: str, default: Any = None) -> Any:
-    """Return ``pcm.<key>`` from :mod:`dask.config`, or ``default`` when it is unset/None."""
-    value = dask.config.get(f"pcm.{key}", default=None)
-    return default if value is None else value
+def get(key: str) -> Any:
+    """``pcm.<key>`` from :mod:`dask.config`; its default is in ``pcm.yaml``, nowhere else.
+
+    Raises ``KeyError`` for a key ``pcm.yaml`` does not define (a typo in the code).
+    """
+    return dask.config.get(f"pcm.{key}")
 
 
 def cache_directory() -> Path:
@@ -44,7 +46,7 @@ def cache_directory() -> Path:
 
 def default_level() -> str:
     """The level used when a registration names none (``pcm.default-level``)."""
-    return check_level(get("default-level", "full"))
+    return check_level(get("default-level"))
 
 
 def check_level(level: str) -> str:
@@ -76,7 +78,7 @@ def _seconds(value: Any) -> float:
 
 def peer_connect_timeout() -> float:
     """Seconds to connect to a peer for a chunk (``pcm.template.peer-connect-timeout``)."""
-    return _seconds(get("template.peer-connect-timeout", "5s"))
+    return _seconds(get("template.peer-connect-timeout"))
 
 
 def peer_deadline(nbytes: int) -> float:
@@ -85,7 +87,7 @@ def peer_deadline(nbytes: int) -> float:
     The connect timeout plus the time the chunk takes at ``pcm.template.peer-min-bandwidth``
     (bytes per second; ``"8 MiB"`` and ``"8 MiB/s"`` both read as 8 MiB per second).
     """
-    text = str(get("template.peer-min-bandwidth", "8 MiB")).strip()
+    text = str(get("template.peer-min-bandwidth")).strip()
     text = text[:-2].strip() if text.lower().endswith("/s") else text
     rate = float(dask.utils.parse_bytes(text))
     if rate <= 0:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_pcm import config
+from dask_pcm.loaders.llm import CausalLM
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -106,8 +107,6 @@ def causal_lm(
     >>> ctx.template
     'embedded'
     """
-    from dask_pcm.loaders.llm import CausalLM
-
     template = None if source is None else os.fspath(source)
     loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)
     return Context(name, loader, template=template, level=level)

@@ -10,11 +10,14 @@ when the task ends. The hot path at level ``full`` is two dict look-ups and a co
 from __future__ import annotations
 
 import functools
+import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import cloudpickle
+from dask.base import tokenize
 from dask.utils import funcname
 from distributed import get_worker
 
@@ -144,15 +147,11 @@ class ContextTask:
         # so a function that reads globals ships their current values, as with plain Dask.
         payload = self._payload
         if payload is None:
-            import cloudpickle
-
             state = (self.fn, self.names, self.allow_other_workers, self.__name__)
             payload = cloudpickle.dumps(state, protocol=5)
         return (_restore, (payload,))
 
     def __dask_tokenize__(self) -> Any:
-        from dask.base import tokenize
-
         return ("dask_pcm.ContextTask", tokenize(self.fn), self.names, self.allow_other_workers)
 
     def __repr__(self) -> str:
@@ -167,8 +166,6 @@ def _restore(payload: bytes) -> ContextTask:
     Sharing is safe: a ContextTask keeps no per-call state. Rebuilt without ``__init__``'s
     checks, which ran where it was made.
     """
-    import pickle
-
     task = ContextTask.__new__(ContextTask)
     task.fn, task.names, task.allow_other_workers, task.__name__ = pickle.loads(payload)
     task._payload = payload

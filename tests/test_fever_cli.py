@@ -15,7 +15,7 @@ def test_fever_prints_summary_and_writes_json(tiny_model_dir, tmp_path):
     report_path = tmp_path / "reports" / "today" / "run.json"  # folders created up front
     args = [
         "fever", "--data", str(data), "--model", str(tiny_model_dir), "--num-templates", "2",
-        "--batch-size", "8", "--limit", "12", "--workers", "1", "--json", str(report_path),
+        "--claims-per-task", "8", "--limit", "12", "--workers", "1", "--json", str(report_path),
         "--output", str(tmp_path / "preds.parquet"),
     ]  # fmt: skip
     result = CliRunner().invoke(main, args)

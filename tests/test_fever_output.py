@@ -31,7 +31,7 @@ def model(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 def _run(client, model, out, **kwargs):
-    options = {"num_templates": 2, "batch_size": 10, "progress": False, **kwargs}
+    options = {"num_templates": 2, "claims_per_task": 10, "progress": False, **kwargs}
     return run_fever(model=model, cluster=client, output=out, **options)
 
 
@@ -106,7 +106,7 @@ def test_a_second_run_on_the_same_folder_fails_at_once(model, tmp_path):
     out = tmp_path / "preds.parquet"
     cmd = [
         sys.executable, "-m", "dask_pcm.cli", "fever", "--model", str(model), "--workers", "1",
-        "--num-templates", "2", "--batch-size", "10", "--output", str(out),
+        "--num-templates", "2", "--claims-per-task", "10", "--output", str(out),
     ]  # fmt: skip
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

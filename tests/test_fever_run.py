@@ -19,7 +19,7 @@ def client(inproc_cluster):
 
 def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_dir):
     result = run_fever(
-        model=tiny_model_dir, cluster=client, num_templates=3, batch_size=8, progress=False
+        model=tiny_model_dir, cluster=client, num_templates=3, claims_per_task=8, progress=False
     )
     pred = result.predictions
     assert len(pred) == 30 * 3
@@ -48,7 +48,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
         model=tiny_model_dir,
         cluster=client,
         num_templates=2,
-        batch_size=8,
+        claims_per_task=8,
         output=out,
         progress=False,
     )
@@ -60,7 +60,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
         model=tiny_model_dir,
         cluster=client,
         num_templates=2,
-        batch_size=8,
+        claims_per_task=8,
         output=out,
         progress=False,
     )
@@ -72,8 +72,10 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
     assert first.predictions.sort_values(key, ignore_index=True).equals(
         second.predictions.sort_values(key, ignore_index=True)
     )
-    with pytest.raises(ValueError, match="batch_size differs"):
-        run_fever(model=tiny_model_dir, cluster=client, batch_size=4, output=out, progress=False)
+    with pytest.raises(ValueError, match="claims_per_task differs"):
+        run_fever(
+            model=tiny_model_dir, cluster=client, claims_per_task=4, output=out, progress=False
+        )
 
 
 def test_generate_method_and_bad_arguments(client, tiny_model_dir):
@@ -87,6 +89,11 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
     )
     assert len(result.predictions) == 6
     assert "generated" in result.predictions.columns
+    with pytest.warns(FutureWarning, match="claims_per_task"):  # the old name still works
+        old = run_fever(
+            model=tiny_model_dir, cluster=client, num_templates=1, limit=6, batch_size=3
+        )
+    assert old.report["units"]["total"] == 2
     with pytest.raises(ValueError, match="unknown scoring method"):
         run_fever(cluster=client, method="vote")
     with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor'"):
@@ -117,7 +124,7 @@ def test_units_lost_with_their_workers_are_submitted_again(client, tiny_model_di
     LOST.clear()
     monkeypatch.setattr(run_module, "score_unit", _unlucky)
     result = run_fever(
-        model=tiny_model_dir, cluster=client, num_templates=1, batch_size=10, progress=False
+        model=tiny_model_dir, cluster=client, num_templates=1, claims_per_task=10, progress=False
     )
     assert len(result.predictions) == 30
     assert sorted(LOST.values()) == [3, 3, 3]
@@ -125,5 +132,9 @@ def test_units_lost_with_their_workers_are_submitted_again(client, tiny_model_di
     monkeypatch.setattr(run_module, "score_unit", _hopeless)
     with pytest.raises(KilledWorker):
         run_fever(
-            model=tiny_model_dir, cluster=client, num_templates=1, batch_size=30, progress=False
+            model=tiny_model_dir,
+            cluster=client,
+            num_templates=1,
+            claims_per_task=30,
+            progress=False,
         )

@@ -54,7 +54,7 @@ def test_cli_runs_fever_on_htcondor_jobs(tmp_path, tiny_model_dir):
         DASK_JOBQUEUE__HTCONDOR__DISK="2GB",
     )
     cmd = ["dask-pcm", "fever", "--cluster", "htcondor", "--workers", "2"]
-    cmd += ["--model", str(tiny_model_dir), "--num-templates", "2", "--batch-size", "10"]
+    cmd += ["--model", str(tiny_model_dir), "--num-templates", "2", "--claims-per-task", "10"]
     cmd += ["--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]

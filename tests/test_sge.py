@@ -123,7 +123,7 @@ def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
             result = run_fever(
                 cluster=client,
                 num_templates=len(BUILTIN_TEMPLATES),
-                batch_size=4,
+                claims_per_task=4,
                 output=tmp_path / "preds.parquet",
                 progress=False,
             )
@@ -214,7 +214,7 @@ def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
         "--model",
         str(tiny_model_dir),
     ]
-    cmd += ["--num-templates", "2", "--batch-size", "10", "--json", str(out)]
+    cmd += ["--num-templates", "2", "--claims-per-task", "10", "--json", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())["report"]

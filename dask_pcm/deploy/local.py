@@ -45,7 +45,7 @@ class Nanny(distributed.Nanny):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if config.get("worker.disable-malloc-trim", True):
+        if config.get("worker.disable-malloc-trim"):
             leaked = self.pre_spawn_env.pop(MALLOC_TRIM, None)
             self.env.pop(MALLOC_TRIM, None)
             # A plain Nanny started earlier in this process writes its pre-spawn variables

@@ -27,7 +27,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from dask.utils import parse_timedelta
 from distributed import WorkerPlugin
+from distributed.core import Status
 
 from dask_pcm import config
 
@@ -110,13 +112,10 @@ class GracefulPreemption(WorkerPlugin):
         ``pcm.worker.preemption-drain``) and keep their results. Then the scheduler moves the
         results to other workers and gives them the queued tasks, and the worker leaves.
         """
-        from dask.utils import parse_timedelta
-        from distributed.core import Status
-
         worker = self.worker
         if worker.status not in (Status.running, Status.paused):
             return
-        drain = parse_timedelta(config.get("worker.preemption-drain", "20s"))
+        drain = parse_timedelta(config.get("worker.preemption-drain"))
         worker.status = Status.closing_gracefully
         deadline = time.monotonic() + drain
         while worker.state.executing_count and time.monotonic() < deadline:

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 LABELS: tuple[str, str, str] = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
 
+#: What :func:`load_claims` may do with a malformed line: stop, or skip it and count it.
+ERRORS = ("raise", "skip")
+
 # How many problems the skip-mode warning quotes before it only counts.
 _QUOTED_PROBLEMS = 3
 
@@ -147,7 +150,7 @@ def load_claims(
     >>> claims.label_counts()  # doctest: +SKIP
     {'SUPPORTS': 100, 'REFUTES': 100, 'NOT ENOUGH INFO': 100}
     """
-    if errors not in ("raise", "skip"):
+    if errors not in ERRORS:
         raise ValueError(f"errors must be 'raise' or 'skip', not {errors!r}")
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be a positive number of claims, not {limit!r}")

@@ -13,8 +13,12 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from distributed import Client, as_completed
+from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
 from dask_pcm import config
@@ -34,7 +38,6 @@ from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance, score_un
 
 if TYPE_CHECKING:
     import pandas as pd
-    from distributed import Client
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,8 @@ def run_fever(
     model: str | os.PathLike[str] | None = None,
     templates: Any = None,
     cluster: Any = None,
-    level: str = "full",
-    batch_size: int = 16,
+    level: str | None = None,
+    claims_per_task: int = 16,
     limit: int | None = None,
     method: str = "logits",
     output: str | os.PathLike[str] | None = None,
@@ -82,6 +85,7 @@ def run_fever(
     workers: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    batch_size: int | None = None,
 ) -> FeverResult:
     """Score FEVER claims under several prompt templates and rank the templates.
 
@@ -103,16 +107,18 @@ def run_fever(
         end. A ``distributed.Client`` or a cluster object: used as it is, and the model
         context stays registered afterwards so that the next run reuses the resident model
         (``dask_pcm.unregister(client, "fever-llm")`` frees it).
-    level : {"full", "partial", "agnostic"}
-    batch_size : int
-        Claims per task.
+    level : {"full", "partial", "agnostic"}, optional
+        Default ``pcm.default-level``.
+    claims_per_task : int
+        Claims each task (unit) scores. The model's own forward passes take
+        ``LanguageModel.batch_size`` prompts at a time.
     limit : int, optional
         Score a stratified sample of this many claims (seeded by ``seed``).
     method : {"logits", "generate"}
     output : path, optional
         Folder of Parquet files, one per finished unit; rerunning with the same folder
         resumes. It is locked while the run lasts, and must not hold predictions made with
-        other model contents, loader options, method, batch size, claims, or other
+        other model contents, loader options, method, claims per task, claims, or other
         templates of the same name (the error names what differs).
     errors : {"raise", "skip"}
         What to do with malformed lines of ``data``.
@@ -123,6 +129,8 @@ def run_fever(
         (``cluster`` given as a string only); at least 1.
     progress : bool
         Show a progress bar over units.
+    batch_size : int, optional
+        Old name of ``claims_per_task`` (deprecated).
 
     Returns
     -------
@@ -133,10 +141,15 @@ def run_fever(
     >>> result = dask_pcm.run_fever(limit=30, num_templates=3)   # doctest: +SKIP
     >>> result.summary[["template", "accuracy", "n"]]            # doctest: +SKIP
     """
+    if batch_size is not None:
+        warnings.warn(
+            "run_fever(batch_size=...) is now claims_per_task=...", FutureWarning, stacklevel=2
+        )
+        claims_per_task = batch_size
     check_method(method)
-    config.check_level(level)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    level = config.check_level(level) if level is not None else config.default_level()
+    if claims_per_task < 1:
+        raise ValueError(f"claims_per_task must be at least 1, got {claims_per_task}")
     if errors not in ("raise", "skip"):
         raise ValueError(f"errors must be 'raise' or 'skip', not {errors!r}")
     if workers is not None and workers < 1:
@@ -145,9 +158,9 @@ def run_fever(
     if limit is not None:
         claims = sample_claims(claims, limit, seed=seed)
     chosen = get_templates(templates, num_templates)
-    units = make_units(chosen, claims, batch_size)
+    units = make_units(chosen, claims, claims_per_task)
     context = causal_lm(model, name=CONTEXT)
-    recorded = provenance(context, claims, chosen, method, batch_size)
+    recorded = provenance(context, claims, chosen, method, claims_per_task)
 
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -219,7 +232,6 @@ def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
 
 
 def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
-    from distributed import Client
 
     if cluster is None or cluster == "local":
         return Client(local_cluster(n_workers=workers)), True
@@ -250,9 +262,6 @@ def _compute(
     model_digest: str,
     progress: bool,
 ) -> list[dict[str, Any]]:
-    from distributed import as_completed
-    from distributed.scheduler import KilledWorker
-
     def submit(i: int, u: Unit) -> Any:
         return pcm.submit(
             client,

@@ -8,7 +8,7 @@ missing units, and no row is ever written twice. What that needs, and what this 
   folder fails at once, naming the process that holds it.
 - **Provenance, not paths.** ``_dask_pcm_run.json`` records what determines a prediction: the
   model's content digest (for a hub id, its revision), the loader's options, the scoring
-  method, the batch size (it draws the units), the claims' digest and each template's text,
+  method, the claims per task (they draw the units), the claims' digest and each template's text,
   chat flag and answers. A rerun compares those: the same model by another path resumes;
   anything that changed refuses, naming each difference. Every row carries ``model_digest``.
 - **Atomic parts.** Each unit is written to a hidden temporary file of its own (process id and
@@ -23,6 +23,7 @@ skipped by pyarrow.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -37,11 +38,11 @@ from dask_pcm.exceptions import OutputFolderError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dask-pcm-fever-output/2"
+FORMAT = "dask-pcm-fever-output/3"
 MANIFEST = "_dask_pcm_run.json"
 LOCK = ".dask-pcm-run.lock"
 # What must match for a folder to be resumed (``templates`` is compared per template).
-COMPARED = ("model_digest", "loader", "method", "batch_size", "claims")
+COMPARED = ("model_digest", "loader", "method", "claims_per_task", "claims")
 
 
 class OutputStore:
@@ -165,8 +166,6 @@ class OutputStore:
 
     def write(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Write one unit's rows as ``<name>.parquet``, atomically and durably."""
-        import io
-
         import pandas as pd
 
         buffer = io.BytesIO()

@@ -3,7 +3,7 @@
 A *unit* is one (template, batch of claims): one task on a worker, using the resident model
 context :data:`CONTEXT`. Its provenance (:func:`provenance`) is what determines its
 predictions: the model's content (:func:`model_digest`), the loader's options, the method,
-the batch size, the claims and the template.
+the claims per task, the claims and the template.
 """
 
 from __future__ import annotations
@@ -54,18 +54,22 @@ def score_unit(
 
 
 def make_units(
-    templates: Sequence[PromptTemplate], claims: ClaimSet, batch_size: int
+    templates: Sequence[PromptTemplate], claims: ClaimSet, claims_per_task: int
 ) -> list[Unit]:
-    """Every (template, batch of ``batch_size`` claims), templates first."""
+    """Every (template, batch of ``claims_per_task`` claims), templates first."""
     return [
-        Unit(t, i, tuple(claims.claims[start : start + batch_size]))
+        Unit(t, i, tuple(claims.claims[start : start + claims_per_task]))
         for t in templates
-        for i, start in enumerate(range(0, len(claims), batch_size))
+        for i, start in enumerate(range(0, len(claims), claims_per_task))
     ]
 
 
 def provenance(
-    context: Any, claims: ClaimSet, templates: list[PromptTemplate], method: str, batch_size: int
+    context: Any,
+    claims: ClaimSet,
+    templates: list[PromptTemplate],
+    method: str,
+    claims_per_task: int,
 ) -> dict[str, Any]:
     """What determines this run's predictions, for the output folder (see ``store.py``)."""
     digest = hashlib.sha256()
@@ -80,7 +84,7 @@ def provenance(
         "model_digest": model_digest(context.template),
         "loader": {"class": type(loader).__qualname__, "options": options},
         "method": method,
-        "batch_size": batch_size,
+        "claims_per_task": claims_per_task,
         "claims": digest.hexdigest(),
         "templates": {
             t.name: {"text": t.text, "chat": t.chat, "answers": list(t.answers)} for t in templates

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from distributed.core import send_recv
+
 from dask_pcm import config
 from dask_pcm.exceptions import ChunkError, TemplateFetchError
 from dask_pcm.protocol import CHUNK_HAVE_OP, CHUNK_OP, CHUNK_PLAN_OP
@@ -153,8 +155,6 @@ async def _ask_peer(worker: Worker, peer: str, digest: str, index: int, deadline
     that was preempted, or is frozen (SIGSTOP, swapping), would stall the copy. On expiry
     the connection is aborted, never returned to the pool.
     """
-    from distributed.core import send_recv
-
     comm = None
 
     async def ask() -> Any:
@@ -318,7 +318,7 @@ async def fetch(
         A chunk could be had from nowhere, or the copy ran past its bounds.
     """
     if planner is None:
-        peer_to_peer = config.get("template.peer-to-peer", True)
+        peer_to_peer = config.get("template.peer-to-peer")
         planner = DirectoryPlanner(worker, manifest.digest) if peer_to_peer else SourcePlanner()
     reader = reader or source_reader()
     report = FetchReport()

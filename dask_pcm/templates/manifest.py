@@ -27,10 +27,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import dask.utils
 
 from dask_pcm import config
 from dask_pcm.exceptions import ChunkError
@@ -174,9 +177,7 @@ def check_file_name(name: Any) -> str:
 
 def chunk_size() -> int:
     """Bytes per chunk (``pcm.template.chunk-size``)."""
-    import dask.utils
-
-    size = int(dask.utils.parse_bytes(config.get("template.chunk-size", "64 MiB")))
+    size = int(dask.utils.parse_bytes(config.get("template.chunk-size")))
     if size < 1:
         raise ValueError(f"pcm.template.chunk-size must be positive, got {size}")
     return size
@@ -336,14 +337,10 @@ class TemplateWriter:
             )
         (self.staging / MANIFEST_NAME).write_text(self.manifest.to_json())
         if self.dest.exists():
-            import shutil
-
             shutil.rmtree(self.staging)  # another process completed it first
         else:
             os.replace(self.staging, self.dest)
         return self.dest
 
     def abort(self) -> None:
-        import shutil
-
         shutil.rmtree(self.staging, ignore_errors=True)

@@ -41,5 +41,5 @@ def source_reader() -> SourceReader:
     from dask_pcm.testing.throttle import SharedBandwidth, ThrottledReader
 
     link = SharedBandwidth(float(dask.utils.parse_bytes(value)), name="template-source")
-    chunk = int(dask.utils.parse_bytes(config.get("template.chunk-size", "64 MiB")))
+    chunk = int(dask.utils.parse_bytes(config.get("template.chunk-size")))
     return ThrottledReader(link, chunk)

@@ -33,7 +33,7 @@ class TemplateStore:
         self.worker = worker
         self.held: dict[str, tuple[Path, Manifest]] = {}
         self.partial: dict[str, TemplateWriter] = {}
-        limit = max_uploads or int(config.get("template.max-uploads", 4))
+        limit = max_uploads or int(config.get("template.max-uploads"))
         self._uploads = asyncio.Semaphore(limit)
         self.max_uploads = limit
         self.active_uploads = 0

@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import threading
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,9 +262,6 @@ def _hub_problem(url: str, timeout: float) -> str | None:
     Proxies from the environment are used, as the hub client uses them. Name resolution cannot
     be given a timeout, so the request runs in a daemon thread abandoned when time is up.
     """
-    import urllib.error
-    import urllib.request
-
     outcome: list[str | None] = []
 
     def attempt() -> None:

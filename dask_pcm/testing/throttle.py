@@ -17,6 +17,7 @@ Example
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import struct
 import time
@@ -53,8 +54,6 @@ class SharedBandwidth:
 
     def book(self, nbytes: int) -> float:
         """Reserve the link for ``nbytes``; return the time (epoch seconds) the read ends."""
-        import fcntl
-
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

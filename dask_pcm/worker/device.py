@@ -7,14 +7,14 @@ import platform
 import sys
 from typing import Any
 
+from dask.sizeof import sizeof
+
 
 def size_of(value: Any) -> int:
     """Bytes a built context holds: its ``nbytes`` if it says, else Dask's estimate."""
     nbytes = getattr(value, "nbytes", None)
     if isinstance(nbytes, int):
         return nbytes
-    from dask.sizeof import sizeof
-
     return int(sizeof(value))
 
 

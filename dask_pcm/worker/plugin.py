@@ -180,7 +180,7 @@ class ContextPlugin(WorkerPlugin):
         thread.start()
 
     def _materialise(self) -> None:
-        concurrency = int(config.get("worker.load-concurrency", 1))
+        concurrency = int(config.get("worker.load-concurrency"))
         try:
             self.strategy.fetch(self)
             self.reporter.changed()
