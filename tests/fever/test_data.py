@@ -20,7 +20,7 @@ from dask_pcm.fever import (
     write_demo,
 )
 
-FEVER_DEV = Path(__file__).parents[2] / "shared/data/fever/paper_dev.jsonl"
+FEVER_DEV = Path(__file__).parents[3] / "shared/data/fever/paper_dev.jsonl"
 
 
 def line(id_: object = 1, label: object = "SUPPORTS", claim: object = "Snow is white.", **extra):

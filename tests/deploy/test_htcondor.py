@@ -4,7 +4,7 @@ a FEVER run on HTCondor jobs, and a worker warned by ``condor_rm`` (``kill_sig =
 HTCondor's daemons cannot be installed on the CI machine, so these tests skip there; the
 submit descriptions are checked with HTCondor's parser in ``test_batch.py``. On a pool::
 
-    PCM_REQUIRE_HTCONDOR=1 python -m pytest -m htcondor tests/test_htcondor.py
+    PCM_REQUIRE_HTCONDOR=1 python -m pytest -m htcondor tests/deploy/test_htcondor.py
 
 The pool's execute nodes must reach this machine (set ``jobqueue.htcondor.interface`` or
 ``scheduler-options``) and share its Python environment and this checkout's path.
@@ -18,10 +18,10 @@ import subprocess
 import time
 
 import pytest
-from conftest import require_batch_system
 from distributed import Client
 
 import dask_pcm
+from tests.conftest import require_batch_system
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 

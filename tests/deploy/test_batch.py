@@ -185,8 +185,11 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
             client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
             for i in range(10, 20)
         ]  # fmt: skip
-        time.sleep(0.7)  # the victim is running one of them
-        os.kill(pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 30
+        while not any(int(x) >= 10 for x in log.read_text().split()):
+            assert time.monotonic() < deadline, "the victim never started a queued task"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGUSR2)  # while the victim runs one of them
         deadline = time.monotonic() + 60
         while victim in client.scheduler_info()["workers"]:
             assert time.monotonic() < deadline, "the warned worker did not leave"
@@ -199,7 +202,7 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
     assert sorted(runs) == [0, 1, *range(10, 20)]
 
 
-TEMPLATES = Path(__file__).parents[1] / "jobqueue-templates"
+TEMPLATES = Path(__file__).parents[2] / "jobqueue-templates"
 
 
 @pytest.mark.parametrize("kind", ["sge", "htcondor"])

@@ -193,7 +193,10 @@ def test_stolen_tasks_land_only_on_ready_workers(one_worker, two_loads_at_once):
 
     # All of these are placed on the only ready worker...
     futures = dask_pcm.map(client, where, range(40), context="gated", delay=0.1, pure=False)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while not _task_states(client, futures) <= {"processing", "memory"}:  # all on the first
+        assert time.monotonic() < deadline, _task_states(client, futures)
+        time.sleep(0.05)
     MODE["fail"] = False
     GATE.set()  # ...then the second becomes ready: work stealing moves some there.
     ran_on = client.gather(futures)
@@ -232,7 +235,7 @@ def test_allow_other_workers_runs_on_a_worker_still_loading(one_worker):
     loose = dask_pcm.submit(client, where, 2, context="gated", allow_other_workers=True)
     _wait_task_states(client, [strict], {"no-worker"})
     _wait_task_states(client, [loose], {"processing"})  # waits on the worker instead
-    time.sleep(0.2)
+    time.sleep(0.2)  # observe a while: a wrong placement would happen now
     assert _task_states(client, [strict]) == {"no-worker"}  # and stays there
     GATE.set()
     assert loose.result(timeout=10) == worker

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import dask
 import pytest
-from conftest import require_batch_system
 from distributed import Client
 
 import dask_pcm
 from dask_pcm.fever import demo_claims
 from dask_pcm.fever.run import CONTEXT, run_fever
 from dask_pcm.fever.templates import BUILTIN_TEMPLATES
+from tests.conftest import require_batch_system
 
 pytestmark = [pytest.mark.sge, pytest.mark.slow]
 
