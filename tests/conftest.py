@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,3 +56,12 @@ def require_batch_system(command: str, what: str, hint: str, require_env: str) -
         if os.environ.get(require_env):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def wait_until_started(log: Path, first: int, seconds: float = 60) -> None:
+    """Wait until a task numbered ``first`` or more has written its number to ``log`` (the
+    tasks of the preemption tests note their start there): a worker is running one."""
+    deadline = time.monotonic() + seconds
+    while not (log.exists() and any(int(x) >= first for x in log.read_text().split())):
+        assert time.monotonic() < deadline, f"no task numbered {first} or more started"
+        time.sleep(0.02)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dask.utils
 
@@ -28,7 +29,7 @@ class SourceReader:
         return 0.0
 
 
-def source_reader() -> SourceReader:
+def source_reader() -> Any:
     """How template sources are read on this host: a plain :class:`SourceReader`, or, when
     ``pcm.template.source-bandwidth`` sets a simulated shared filesystem (tests and
     benchmarks), a :class:`~dask_pcm.testing.ThrottledReader` sharing that many bytes per
@@ -37,7 +38,7 @@ def source_reader() -> SourceReader:
     value = config.get("template.source-bandwidth")
     if value is None:
         return SourceReader()
-    # Only tests and benchmarks get here; dask_pcm.testing builds on this module.
+    # Only tests and benchmarks get here: the test device is not imported otherwise.
     from dask_pcm.testing.throttle import SharedBandwidth, ThrottledReader
 
     link = SharedBandwidth(float(dask.utils.parse_bytes(value)), name="template-source")

@@ -18,6 +18,7 @@ from distributed.utils import sync
 import dask_pcm
 from dask_pcm.deploy import batch
 from dask_pcm.deploy.batch import batch_cluster, job_options, parse_queue, walltime_seconds
+from tests.conftest import wait_until_started
 
 
 def _script(kind: str, **kwargs) -> str:
@@ -185,10 +186,7 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
             client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
             for i in range(10, 20)
         ]  # fmt: skip
-        deadline = time.monotonic() + 30
-        while not any(int(x) >= 10 for x in log.read_text().split()):
-            assert time.monotonic() < deadline, "the victim never started a queued task"
-            time.sleep(0.02)
+        wait_until_started(log, 10)
         os.kill(pid, signal.SIGUSR2)  # while the victim runs one of them
         deadline = time.monotonic() + 60
         while victim in client.scheduler_info()["workers"]:

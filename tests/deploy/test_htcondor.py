@@ -21,7 +21,7 @@ import pytest
 from distributed import Client
 
 import dask_pcm
-from tests.conftest import require_batch_system
+from tests.conftest import require_batch_system, wait_until_started
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 
@@ -81,7 +81,7 @@ def test_condor_rm_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_mod
             client.submit(runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
             for i in range(10, 20)
         ]  # fmt: skip
-        time.sleep(0.7)
+        wait_until_started(log, 10)  # the victim runs one of them
         name = client.scheduler_info()["workers"][victim]["name"]
         subprocess.run(["condor_rm", cluster.workers[name].job_id], check=True)
         deadline = time.monotonic() + 120

@@ -22,7 +22,7 @@ import dask_pcm
 from dask_pcm.fever import demo_claims
 from dask_pcm.fever.run import CONTEXT, run_fever
 from dask_pcm.fever.templates import BUILTIN_TEMPLATES
-from tests.conftest import require_batch_system
+from tests.conftest import require_batch_system, wait_until_started
 
 pytestmark = [pytest.mark.sge, pytest.mark.slow]
 
@@ -169,7 +169,7 @@ def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_di
             client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
             for i in range(10, 20)
         ]  # fmt: skip
-        time.sleep(0.7)
+        wait_until_started(log, 10)  # the victim runs one of them
         job = _job_of(cluster, client, victim)
         start = time.monotonic()
         subprocess.run(["qdel", job], check=True)
