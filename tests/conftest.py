@@ -8,6 +8,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -65,3 +66,34 @@ def wait_until_started(log: Path, first: int, seconds: float = 60) -> None:
     while not (log.exists() and any(int(x) >= first for x in log.read_text().split())):
         assert time.monotonic() < deadline, f"no task numbered {first} or more started"
         time.sleep(0.02)
+
+
+def load_the_victim(client: Client, runs: Any, log: Path) -> tuple[str, str, list, list]:
+    """The preemption scenario every backend's test plays: on the first worker (the victim)
+    two results held and ten tasks queued (``runs(log, x)`` notes ``x``), one of them running.
+    Returns ``victim, other, held, queued``."""
+    victim, other = sorted(client.scheduler_info()["workers"])
+    held = [client.submit(runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
+    client.gather(held)
+    queued = [
+        client.submit(runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
+        for i in range(10, 20)
+    ]  # fmt: skip
+    wait_until_started(log, 10)
+    return victim, other, held, queued
+
+
+def wait_gone(client: Client, worker: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while worker in client.scheduler_info()["workers"]:
+        assert time.monotonic() < deadline, f"{worker} did not leave"
+        time.sleep(0.1)
+
+
+def assert_handed_back(client: Client, held: list, queued: list, other: str, log: Path) -> None:
+    """The warned victim handed its results and queued tasks to ``other``: nothing lost,
+    nothing recomputed, every task run once."""
+    assert client.gather(held) == [0, 1]  # moved to the other worker, not recomputed
+    assert client.gather(queued) == [i * i for i in range(10, 20)]
+    assert client.who_has(held)[held[0].key] == (other,)
+    assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]

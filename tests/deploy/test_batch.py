@@ -18,7 +18,8 @@ from distributed.utils import sync
 import dask_pcm
 from dask_pcm.deploy import batch
 from dask_pcm.deploy.batch import batch_cluster, job_options, parse_queue, walltime_seconds
-from tests.conftest import wait_until_started
+from dask_pcm.testing.tasks import noted_square
+from tests.conftest import assert_handed_back, load_the_victim, wait_gone
 
 
 def _script(kind: str, **kwargs) -> str:
@@ -161,14 +162,6 @@ def test_adaptive_keeps_the_last_ready_worker_of_a_context_tasks_wait_for():
     assert keep_workers(states, set(), everyone) == set()  # nothing waits: all may go
 
 
-def _runs(path: str, x: int) -> int:
-    """Counts its runs in a file, then takes a while."""
-    with open(path, "a") as f:
-        f.write(f"{x}\n")
-    time.sleep(0.5)
-    return x * x
-
-
 def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_path: Path):
     log = tmp_path / "runs"
     with (
@@ -177,27 +170,11 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
         Client(cluster) as client,
     ):
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
-        victim, other = sorted(client.scheduler_info()["workers"])
+        victim, other, held, queued = load_the_victim(client, noted_square, log)
         pid = client.run(os.getpid, workers=[victim])[victim]
-        # Results held on the victim, and tasks queued there, before the warning.
-        held = [client.submit(_runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
-        client.gather(held)
-        queued = [
-            client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
-            for i in range(10, 20)
-        ]  # fmt: skip
-        wait_until_started(log, 10)
         os.kill(pid, signal.SIGUSR2)  # while the victim runs one of them
-        deadline = time.monotonic() + 60
-        while victim in client.scheduler_info()["workers"]:
-            assert time.monotonic() < deadline, "the warned worker did not leave"
-            time.sleep(0.1)
-        assert client.gather(held) == [0, 1]  # moved to the other worker, not recomputed
-        assert client.gather(queued) == [i * i for i in range(10, 20)]
-        assert client.who_has(held)[held[0].key] == (other,)
-    runs = [int(x) for x in log.read_text().split()]
-    # Every task ran exactly once: the one running at the warning finished there.
-    assert sorted(runs) == [0, 1, *range(10, 20)]
+        wait_gone(client, victim, 60)
+        assert_handed_back(client, held, queued, other, log)
 
 
 TEMPLATES = Path(__file__).parents[2] / "jobqueue-templates"

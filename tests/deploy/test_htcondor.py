@@ -15,13 +15,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 
 import pytest
 from distributed import Client
 
 import dask_pcm
-from tests.conftest import require_batch_system, wait_until_started
+from dask_pcm.testing.tasks import noted_square
+from tests.conftest import (
+    assert_handed_back,
+    load_the_victim,
+    require_batch_system,
+    wait_gone,
+)
 
 pytestmark = [pytest.mark.htcondor, pytest.mark.slow]
 
@@ -65,30 +70,11 @@ def test_cli_runs_fever_on_htcondor_jobs(tmp_path, tiny_model_dir):
 def test_condor_rm_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_dir):
     log = tmp_path / "runs"  # on a shared filesystem, like the checkout
 
-    def runs(path: str, x: int) -> int:
-        with open(path, "a") as f:
-            f.write(f"{x}\n")
-        time.sleep(0.5)
-        return x * x
-
     with _cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=1800)
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
-        victim, other = sorted(client.scheduler_info()["workers"])
-        held = [client.submit(runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
-        client.gather(held)
-        queued = [
-            client.submit(runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
-            for i in range(10, 20)
-        ]  # fmt: skip
-        wait_until_started(log, 10)  # the victim runs one of them
+        victim, other, held, queued = load_the_victim(client, noted_square, log)
         name = client.scheduler_info()["workers"][victim]["name"]
         subprocess.run(["condor_rm", cluster.workers[name].job_id], check=True)
-        deadline = time.monotonic() + 120
-        while victim in client.scheduler_info()["workers"]:
-            assert time.monotonic() < deadline, "the warned worker did not leave"
-            time.sleep(0.2)
-        assert client.gather(held) == [0, 1]
-        assert client.gather(queued) == [i * i for i in range(10, 20)]
-        assert client.who_has(held)[held[0].key] == (other,)
-    assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]
+        wait_gone(client, victim, 120)
+        assert_handed_back(client, held, queued, other, log)

@@ -22,7 +22,8 @@ import dask_pcm
 from dask_pcm.fever import demo_claims
 from dask_pcm.fever.run import CONTEXT, run_fever
 from dask_pcm.fever.templates import BUILTIN_TEMPLATES
-from tests.conftest import require_batch_system, wait_until_started
+from dask_pcm.testing.tasks import noted_square
+from tests.conftest import assert_handed_back, load_the_victim, require_batch_system
 
 pytestmark = [pytest.mark.sge, pytest.mark.slow]
 
@@ -153,23 +154,10 @@ def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
 def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_dir):
     log = tmp_path / "runs"
 
-    def _runs(path: str, x: int) -> int:  # local: shipped by value (jobs cannot import tests)
-        with open(path, "a") as f:
-            f.write(f"{x}\n")
-        time.sleep(0.5)
-        return x * x
-
     with _sge_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
         client.wait_for_workers(2, timeout=120)
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
-        victim, other = sorted(client.scheduler_info()["workers"])
-        held = [client.submit(_runs, str(log), i, workers=[victim], pure=False) for i in range(2)]
-        client.gather(held)
-        queued = [
-            client.submit(_runs, str(log), i, workers=[victim], allow_other_workers=True, pure=False)
-            for i in range(10, 20)
-        ]  # fmt: skip
-        wait_until_started(log, 10)  # the victim runs one of them
+        victim, other, held, queued = load_the_victim(client, noted_square, log)
         job = _job_of(cluster, client, victim)
         start = time.monotonic()
         subprocess.run(["qdel", job], check=True)
@@ -186,10 +174,7 @@ def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_di
             if line.startswith("notify")
         )
         assert time.monotonic() - start < notify_s
-        assert client.gather(held) == [0, 1]
-        assert client.gather(queued) == [i * i for i in range(10, 20)]
-        assert client.who_has(held)[held[0].key] == (other,)
-    assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]
+        assert_handed_back(client, held, queued, other, log)
 
 
 def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
