@@ -589,3 +589,37 @@ def test_a_slow_copy_does_not_hold_up_another_contexts_load(tiny_model_dir, tmp_
         copying = dask_pcm.status(client, ["tiny"]).set_index("worker").loc[joiner, "state"]
     assert table.loc[joiner, "state"] == "ready"
     assert copying != "ready"  # the copy was still crawling when the other was ready
+
+
+def test_peer_copies_work_over_tls(tiny_model_dir, tmp_path):
+    """With TLS between all (distributed's Security.temporary()), a joiner still copies the
+    whole template from its peer."""
+    from distributed import LocalCluster
+    from distributed.security import Security
+
+    import dask_pcm
+
+    security = Security.temporary()
+    total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes
+    settings = {
+        "pcm.cache-directory": str(tmp_path / "cache"),
+        "pcm.template.chunk-size": "16 KiB",
+    }
+    with (
+        dask.config.set(settings),
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=False,
+            protocol="tls://",
+            security=security,
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster, security=security) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        (holder,) = _workers(client)
+        joiner = _add_joiner(cluster, client, holder)
+        row = _wait_ready(client, joiner, 60)
+    assert holder.startswith("tls://") and joiner.startswith("tls://")
+    assert (row["bytes_from_peers"], row["bytes_from_source"]) == (total, 0)
