@@ -31,7 +31,6 @@ STATE_OP = "pcm-context-state"
 # Worker handler: one chunk of a template the worker holds.
 CHUNK_OP = "pcm_template_chunk"
 # Scheduler handlers: the chunk directory and the adaptive keep rule.
-TEMPLATE_SOURCES_OP = "pcm_template_sources"
 CHUNK_PLAN_OP = "pcm_chunk_plan"
 CHUNK_HAVE_OP = "pcm_chunk_have"
 KEEP_WORKERS_OP = "pcm_keep_workers"

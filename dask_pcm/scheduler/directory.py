@@ -47,16 +47,6 @@ class ChunkDirectory:
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
 
-    def sources(self, digest: str) -> list[str]:
-        """RPC handler: workers holding the whole template ``digest``, in random order.
-
-        A worker becomes a source the moment its copy is complete, before its context is
-        built, so capacity grows as workers join (the order spreads the requests).
-        """
-        order = sorted(self.whole_copies(digest))
-        random.shuffle(order)
-        return order
-
     def plan(self, digest: str, worker: str, missing: list[int]) -> dict[str, Any]:
         """RPC handler: where ``worker`` should get each of its ``missing`` chunks now.
 

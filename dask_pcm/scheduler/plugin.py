@@ -66,7 +66,6 @@ class ContextScheduler(SchedulerPlugin):
             connected=lambda: scheduler.workers,
         )
         self._handlers: dict[str, Callable[..., Any]] = {
-            protocol.TEMPLATE_SOURCES_OP: self.directory.sources,
             protocol.CHUNK_PLAN_OP: self.directory.plan,
             protocol.CHUNK_HAVE_OP: self.directory.have,
             protocol.KEEP_WORKERS_OP: self.keep_workers,

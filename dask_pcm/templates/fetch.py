@@ -91,7 +91,6 @@ class PeerRecord:
     """What one peer did during one template copy."""
 
     chunks: int = 0
-    nbytes: int = 0
     corrupted: int = 0
     dropped: str | None = None  # why it is no longer asked, for this copy
 
@@ -259,7 +258,6 @@ class _Chunks:
                 self._drop(peer, f"{record.corrupted} corrupted chunks, the last: {exc}")
             return _CORRUPT
         record.chunks += 1
-        record.nbytes += len(data)
         self.report.bytes_from_peers += len(data)
         self.report.chunks_from_peers += 1
         return _OK

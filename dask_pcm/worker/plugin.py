@@ -155,10 +155,6 @@ class ContextPlugin(WorkerPlugin):
     def error(self) -> str | None:
         return self.record.error
 
-    @property
-    def nbytes(self) -> int:
-        return self.record.nbytes
-
     # -- changes ---------------------------------------------------------------------------
     def _set_state(self, state: str, error: str | None = None) -> None:
         with self._lock:

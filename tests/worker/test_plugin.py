@@ -81,7 +81,6 @@ async def test_a_joining_worker_that_fails_is_reported_and_its_tasks_err(c, s):
 async def test_the_scheduler_plugin_removes_every_handler_it_added(c, s, a):
     await c.register_plugin(ContextScheduler())
     ops = [
-        protocol.TEMPLATE_SOURCES_OP,
         protocol.CHUNK_PLAN_OP,
         protocol.CHUNK_HAVE_OP,
         protocol.KEEP_WORKERS_OP,
