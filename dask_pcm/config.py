@@ -76,6 +76,11 @@ def _seconds(value: Any) -> float:
     return float(dask.utils.parse_timedelta(value, default="s"))
 
 
+def release_timeout() -> float:
+    """``pcm.worker.release-timeout`` in seconds."""
+    return _seconds(get("worker.release-timeout"))
+
+
 def peer_connect_timeout() -> float:
     """Seconds to connect to a peer for a chunk (``pcm.template.peer-connect-timeout``)."""
     return _seconds(get("template.peer-connect-timeout"))

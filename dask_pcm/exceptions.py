@@ -62,3 +62,8 @@ class TemplateFetchError(PCMError):
 class OutputFolderError(PCMError, ValueError):
     """A ``run_fever`` output folder cannot be used: in use by another run, holding another
     run's predictions, or not writable. The message names the folder and what to do."""
+
+
+class DeviceMemoryError(PCMError, MemoryError):
+    """Even one prompt per forward pass does not fit in the device's memory (batches are
+    halved on an out-of-memory error first)."""

@@ -2,7 +2,7 @@
 
 A Dask ``Semaphore`` would need a scheduler round trip and a client on every worker, and a
 lease held by a killed worker only expires after a timeout. An ``flock`` on a file in the
-host's temporary folder is released by the kernel the moment its holder dies, works before the
+host's ``/tmp`` is released by the kernel the moment its holder dies, works before the
 worker has registered, and is per host by construction, which is what "one load per host at a
 time" means. ``flock`` locks belong to open file descriptions, so two threads of one process
 that open the file separately exclude each other too (in-process test clusters rely on that).
@@ -22,8 +22,13 @@ _POLL_SECONDS = 0.05
 
 
 def lock_dir() -> Path:
-    """This host's folder of lock files (in the temporary folder, per user)."""
-    path = Path(tempfile.gettempdir()) / f"dask-pcm-locks-{os.getuid()}"
+    """This host's folder of lock files (per user).
+
+    In ``/tmp``, not ``$TMPDIR``: batch systems point ``TMPDIR`` at a folder of each job's
+    own, where the jobs of one user on a node would not see each other's locks.
+    """
+    base = "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+    path = Path(base) / f"dask-pcm-locks-{os.getuid()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -61,9 +61,10 @@ class ContextStatus:
         Times the resident context was freed under ``pcm.worker.context-memory-limit``.
     nbytes
         Size of the resident context.
-    device, batch_size
-        Where it lives (``cpu (2 threads, <CPU>)``, ``cuda:0 (<GPU>, <memory>)``) and the
-        prompts per forward pass the loader chose.
+    device, dtype, batch_size
+        Where it lives (``cpu (2 threads, <CPU>)``, ``cuda:0 (<GPU>, <memory>)``), the dtype
+        of its weights, and the prompts per forward pass the loader chose (smaller after an
+        out-of-memory error).
     template, location
         What the user named, and what the loader reads (the worker's own copy).
     template_bytes, template_digest, template_held
@@ -71,6 +72,9 @@ class ContextStatus:
         complete copy.
     bytes_from_peers, bytes_from_source, corrupted_chunks, fetch_seconds
         Where the template's bytes came from, chunks discarded as corrupted, copy time.
+    warning
+        Something about this worker's context the user should know though it works, e.g. a
+        GPU that this worker's torch cannot use (the context runs on the CPU).
     error
         The last failure, as the user should read it.
     """
@@ -88,6 +92,7 @@ class ContextStatus:
     evictions: int = 0
     nbytes: int = 0
     device: str | None = None
+    dtype: str | None = None
     batch_size: int | None = None
     template: str | None = None
     location: str | None = None
@@ -98,6 +103,7 @@ class ContextStatus:
     bytes_from_source: int = 0
     corrupted_chunks: int = 0
     fetch_seconds: float = 0.0
+    warning: str | None = None
     error: str | None = None
 
     def row(self) -> dict[str, Any]:

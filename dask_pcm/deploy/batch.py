@@ -10,6 +10,8 @@ from keyword arguments. dask_pcm adds what its workers need:
   ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
   so that only the worker process reacts to it, by retiring gracefully
   (:mod:`dask_pcm.deploy.preemption`);
+- ``--preload-nanny dask_pcm.deploy.gpu``: each worker process claims one GPU of those its job
+  may see (:mod:`dask_pcm.deploy.gpu`), also where the site binds no GPU to a job;
 - ``--lifetime`` and ``--lifetime-stagger`` from the walltime when one is set and the worker
   arguments name no lifetime: workers retire before the batch system kills them;
 - adaptive scaling (:class:`ContextAdaptive`) that never retires every worker holding a ready
@@ -36,6 +38,8 @@ import dask_jobqueue
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 from tornado.ioloop import PeriodicCallback
+
+from dask_pcm.deploy import gpu
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +269,9 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
         out["job_extra_directives"] = submit
 
     args = list(setting("worker_extra_args") or [])
+    if gpu.PRELOAD not in args:
+        # One GPU per worker process even where the batch system binds none to the job.
+        args += ["--preload-nanny", gpu.PRELOAD]
     walltime = setting("walltime")
     if walltime and not any(a.startswith("--lifetime") for a in args):
         seconds = walltime_seconds(walltime)

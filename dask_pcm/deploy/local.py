@@ -10,6 +10,10 @@ The same nanny samples the worker's statistical profiler every ``pcm.worker.prof
 (100ms) instead of distributed's 10ms: each sample runs on the worker's event loop and walks
 the deep stacks of a forward pass, about 5 % of a core per worker here.
 
+On a host with GPUs each nanny gives its worker one GPU of its own
+(``CUDA_VISIBLE_DEVICES``, :mod:`dask_pcm.deploy.gpu`), and :func:`local_cluster` starts one
+worker per GPU.
+
 If you start workers yourself (``dask worker``, dask-jobqueue), set in your Dask config::
 
     distributed:
@@ -19,6 +23,8 @@ If you start workers yourself (``dask worker``, dask-jobqueue), set in your Dask
       worker:
         profile:
           interval: 100ms
+
+and pass ``--preload-nanny dask_pcm.deploy.gpu`` to ``dask worker`` for the GPU binding.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ import distributed
 from distributed import LocalCluster
 
 from dask_pcm import config
+from dask_pcm.deploy import gpu
+from dask_pcm.gpus import visible_gpus
 
 MALLOC_TRIM = "MALLOC_TRIM_THRESHOLD_"
 
@@ -40,7 +48,8 @@ class Nanny(distributed.Nanny):
 
     It does not set ``MALLOC_TRIM_THRESHOLD_`` (``pcm.worker.disable-malloc-trim``, default
     true) and gives its worker a coarser profiler interval (``pcm.worker.profile-interval``,
-    default 100ms).
+    default 100ms). On a host with GPUs it claims one for its worker (``CUDA_VISIBLE_DEVICES``;
+    ``pcm.worker.gpu-per-worker``, default true).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -59,6 +68,20 @@ class Nanny(distributed.Nanny):
                 self.config, {"distributed": {"worker": {"profile": {"interval": interval}}}}
             )
 
+    async def start_unsafe(self) -> Any:
+        gpu.bind(self)  # before the worker process is spawned with self.env
+        try:
+            return await super().start_unsafe()
+        except BaseException:
+            gpu.unbind(self)
+            raise
+
+    async def close(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().close(*args, **kwargs)
+        finally:
+            gpu.unbind(self)
+
 
 def local_cluster(
     n_workers: int | None = None, threads_per_worker: int = 1, **kwargs: Any
@@ -66,7 +89,8 @@ def local_cluster(
     """A :class:`distributed.LocalCluster` of processes that use :class:`Nanny`.
 
     One thread per worker by default: a model forward pass already uses the cores torch
-    gives it, and one worker per core (or GPU) is how contexts are meant to be spread.
+    gives it. By default one worker per GPU the process may see (``CUDA_VISIBLE_DEVICES``,
+    else every GPU the driver lists), each bound to its own GPU; without GPUs one per core.
     ``n_workers=0`` starts none, for ``cluster.scale`` or ``cluster.adapt`` to add later.
 
     Examples
@@ -75,7 +99,7 @@ def local_cluster(
     >>> cluster = local_cluster(n_workers=2)               # doctest: +SKIP
     """
     if n_workers is None:
-        n_workers = max(1, (os.cpu_count() or 1))
+        n_workers = len(visible_gpus()) or max(1, (os.cpu_count() or 1))
     elif n_workers < 0:
         raise ValueError(f"n_workers must be 0 (scale up later) or more, got {n_workers}")
     kwargs.setdefault("worker_class", Nanny)

@@ -14,6 +14,7 @@ Two methods, the same for every prompt template:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import weakref
@@ -87,7 +88,10 @@ def score_logits(lm: Any, prompts: Sequence[str], answers: Sequence[str]) -> lis
     """
     import torch
 
-    ids = answer_token_ids(lm.tokenizer, answers)
+    # The tokenizer is one thread's at a time (a fast tokenizer shared by threads fails with
+    # "Already borrowed"): a LanguageModel's lock guards it.
+    with getattr(lm, "lock", None) or contextlib.nullcontext():
+        ids = answer_token_ids(lm.tokenizer, answers)
     logprobs = torch.log_softmax(lm.next_token_logits(prompts), dim=-1)
     per_label = torch.stack([logprobs[:, list(v)].logsumexp(-1) for v in ids], dim=-1)
     best = per_label.argmax(-1).tolist()

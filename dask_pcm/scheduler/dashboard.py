@@ -38,7 +38,9 @@ PAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("evictions", "evictions", "number"),
     ("nbytes", "memory", "bytes"),
     ("device", "device", "text"),
+    ("dtype", "dtype", "text"),
     ("batch_size", "batch", "number"),
+    ("warning", "warning", "error"),
     ("error", "error", "error"),
 )
 _unknown = [c for c, _, _ in PAGE_COLUMNS if c not in COLUMNS]

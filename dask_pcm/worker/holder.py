@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 class Holder:
     """Builds ``context`` and holds what it built; state lives in ``record`` under ``lock``."""
 
@@ -46,6 +50,7 @@ class Holder:
         self.active = 0  # tasks holding the context now
         self.last_used = time.monotonic()
         self.closed = False
+        self.pending: Any = None  # a closed resident context that tasks still use
 
     def build(self) -> Any:
         """Build the context from its template's location (a loader call); counted."""
@@ -58,10 +63,19 @@ class Holder:
             self.record.last_load_seconds = elapsed
             if self.record.device is None:
                 self.record.device = describe_device(value)
-            batch_size = getattr(value, "batch_size", None)
-            self.record.batch_size = batch_size if isinstance(batch_size, int) else None
+            self.record.dtype = _text(getattr(value, "dtype", None))
+            self.record.warning = _text(getattr(value, "warning", None))
+            self._note_batch_size(value)
         self.reporter.changed()
         return value
+
+    def _note_batch_size(self, value: Any) -> bool:
+        """Record the context's batch size (under lock); whether it changed."""
+        batch_size = getattr(value, "batch_size", None)
+        batch_size = batch_size if isinstance(batch_size, int) else None
+        changed = batch_size != self.record.batch_size
+        self.record.batch_size = batch_size
+        return changed
 
     def keep(self, value: Any) -> None:
         """Make ``value`` the resident context, unless closed meanwhile (then free it)."""
@@ -126,9 +140,40 @@ class Holder:
             return True, self.value
 
     def returned(self, value: Any, owned: bool) -> None:
-        """A task is done with the context; a per-task object (``owned``) is freed."""
+        """A task is done with the context; a per-task object (``owned``) is freed, and so is
+        a resident one left to the last task by :meth:`release_when_idle`."""
         with self.lock:
             self.active -= 1
             self.last_used = time.monotonic()
+            # A context that halved its batches after running out of memory says so.
+            changed = value is not None and self._note_batch_size(value)
+            pending = None
+            if not self.active and self.pending is not None:
+                pending, self.pending = self.pending, None
+        if changed:
+            self.reporter.changed()
         if owned:
             self.release(value)
+        if pending is not None:
+            self.release(pending, collect=True)
+            logger.info("Released context %r after its last task", self.context.name)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no task holds the context; whether none does."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if not self.active:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def release_when_idle(self, value: Any) -> bool:
+        """Leave freeing ``value`` to the last running task; ``False`` if none runs (free it
+        yourself)."""
+        with self.lock:
+            if not self.active:
+                return False
+            self.pending = value
+            return True

@@ -141,6 +141,18 @@ class ContextPlugin(WorkerPlugin):
             # cluster close in two with two workers; none in eight closes without the thread).
             self.holder.release(value)
             return
+        # Tasks still using the context keep it until they finish (bounded): freeing a
+        # model under a running forward pass would fail that task.
+        timeout = config.release_timeout()
+        idle = await asyncio.to_thread(self.holder.wait_idle, timeout)
+        if not idle and self.holder.release_when_idle(value):
+            logger.warning(
+                "Context %r on %s is still used by tasks after %g s: the last of them frees it",
+                self.context.name,
+                self.worker_address,
+                timeout,
+            )
+            return
         # Freeing a model (and collecting its cycles) takes a fraction of a second: keep it
         # off the event loop like the load.
         await asyncio.to_thread(self.holder.release, value, True)
