@@ -18,17 +18,24 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from dask_pcm import config
+
 _POLL_SECONDS = 0.05
 
 
 def lock_dir() -> Path:
-    """This host's folder of lock files (per user).
+    """This host's folder of lock files: ``pcm.lock-directory``, by default
+    ``/tmp/dask-pcm-locks-<uid>``.
 
     In ``/tmp``, not ``$TMPDIR``: batch systems point ``TMPDIR`` at a folder of each job's
     own, where the jobs of one user on a node would not see each other's locks.
     """
-    base = "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
-    path = Path(base) / f"dask-pcm-locks-{os.getuid()}"
+    configured = config.get("lock-directory")
+    if configured:
+        path = Path(configured).expanduser()
+    else:
+        base = "/tmp" if os.access("/tmp", os.W_OK | os.X_OK) else tempfile.gettempdir()
+        path = Path(base) / f"dask-pcm-locks-{os.getuid()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -16,7 +16,7 @@ from distributed import Client
 from distributed.utils import sync
 
 import dask_pcm
-from dask_pcm.deploy import batch
+from dask_pcm.deploy import batch, gpu
 from dask_pcm.deploy.batch import batch_cluster, job_options, parse_queue, walltime_seconds
 from dask_pcm.testing.tasks import noted_square
 from tests.conftest import assert_handed_back, load_the_victim, wait_gone
@@ -54,7 +54,7 @@ def test_configured_lifetime_and_directives_are_kept():
     with dask.config.set(settings):
         options = job_options("sge", cores=1, memory="1GB")
     assert options["job_extra_directives"] == ["-notify", "-l h_vmem=8G"]  # no second -notify
-    assert options["worker_extra_args"] == ["--lifetime", "20m"]
+    assert options["worker_extra_args"] == ["--lifetime", "20m", "--preload-nanny", gpu.PRELOAD]
     with pytest.raises(ValueError, match="unknown batch system 'slurm'"):
         job_options("slurm")
     with pytest.raises(ValueError, match="walltime 'soon'"):

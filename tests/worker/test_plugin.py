@@ -89,3 +89,85 @@ async def test_the_scheduler_plugin_removes_every_handler_it_added(c, s, a):
     await get_plugin(s).close()  # what the scheduler calls as it closes
     assert [op for op in ops if op in s.handlers] == []
     assert protocol.STATE_OP not in s.stream_handlers
+
+
+class _GPUContext:
+    """What a loader built on a GPU it could use only partly: dtype, warning, batch size."""
+
+    device = "cpu"
+    dtype = "float16"
+    warning = "GPU X (compute capability 6.1) is not supported by this torch"
+
+    def __init__(self) -> None:
+        self.batch_size = 64
+
+
+def _on_gpu(location: str) -> _GPUContext:
+    return _GPUContext()
+
+
+def _runs_out_of_memory(x: int) -> int:
+    from dask_pcm.tasks import get_context
+
+    lm = get_context("ctx")
+    lm.batch_size //= 2  # what LanguageModel does after an out-of-memory error
+    return lm.batch_size
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_status_shows_dtype_warning_and_a_batch_size_that_shrank(c, s, a):
+    await _install(c, s, _on_gpu)
+    await _until(lambda: _state(s, a.address) == protocol.READY)
+    (row,) = get_plugin(s).rows()
+    assert (row["dtype"], row["batch_size"]) == ("float16", 64)
+    assert "compute capability 6.1" in row["warning"]
+    assert await c.submit(ContextTask(_runs_out_of_memory, "ctx"), 1) == 32
+    await _until(lambda: get_plugin(s).rows()[0]["batch_size"] == 32)
+
+
+RELEASED: list[str] = []
+
+
+class _Releasing:
+    def __call__(self, location: str) -> dict[str, bool]:
+        return {"released": False}
+
+    def release(self, value: dict[str, bool]) -> None:
+        value["released"] = True
+        RELEASED.append("released")
+
+
+def _uses_it_for(seconds: float) -> bool:
+    """Hold the context for a while; whether it was freed under this task."""
+    from dask_pcm.tasks import get_context
+
+    context = get_context("ctx")
+    time.sleep(seconds)
+    return context["released"]
+
+
+async def _running_with_the_context(c, s, a, seconds: float):
+    RELEASED.clear()
+    await _install(c, s, _Releasing())
+    future = c.submit(ContextTask(_uses_it_for, "ctx"), seconds, pure=False)
+    plugin = context_plugins(a)["ctx"]
+    await _until(lambda: plugin.holder.active == 1)
+    return future
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_unregister_waits_for_the_running_task_before_freeing(c, s, a):
+    # Freed under a running forward pass (weights moved to the meta device), the task failed.
+    future = await _running_with_the_context(c, s, a, 0.5)
+    await c.unregister_worker_plugin(plugin_name("ctx"))
+    assert RELEASED == ["released"]  # freed once unregister returns...
+    assert await future is False  # ... but not under the task
+
+
+@gen_cluster(client=True, nthreads=[("", 1)], config={"pcm.worker.release-timeout": "100ms"})
+async def test_a_task_outlasting_the_release_timeout_frees_the_context_itself(c, s, a):
+    future = await _running_with_the_context(c, s, a, 1.0)
+    await c.unregister_worker_plugin(plugin_name("ctx"))
+    assert RELEASED == []  # unregister gave up waiting; the task still uses the context
+    assert await future is False
+    await _until(lambda: RELEASED == ["released"])  # freed when the task finished
