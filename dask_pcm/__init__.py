@@ -23,11 +23,13 @@ from dask_pcm.client import map, register, registered_contexts, status, submit, 
 from dask_pcm.context import Context, causal_lm
 from dask_pcm.deploy.batch import batch_cluster
 from dask_pcm.deploy.local import Nanny, local_cluster
+from dask_pcm.diagnosis import WorkerReport, doctor
 from dask_pcm.exceptions import (
     ChunkError,
     ContextLoadError,
     ContextNotFoundError,
     ContextTimeoutError,
+    DeviceMemoryError,
     FeverFormatError,
     ModelSourceError,
     OutputFolderError,
@@ -53,6 +55,7 @@ __all__ = [
     "ContextNotFoundError",
     "ContextTask",
     "ContextTimeoutError",
+    "DeviceMemoryError",
     "FeverFormatError",
     "FeverResult",
     "LanguageModel",
@@ -61,10 +64,12 @@ __all__ = [
     "OutputFolderError",
     "PCMError",
     "TemplateFetchError",
+    "WorkerReport",
     "__version__",
     "batch_cluster",
     "build_tiny_llama",
     "causal_lm",
+    "doctor",
     "embedded_model_dir",
     "get_context",
     "local_cluster",

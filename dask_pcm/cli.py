@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,15 @@ from dask_pcm.config import LEVELS, default_level
 from dask_pcm.context import causal_lm
 from dask_pcm.deploy.batch import KINDS
 from dask_pcm.deploy.local import local_cluster
+from dask_pcm.diagnosis import doctor as examine_workers
+from dask_pcm.diagnosis import format_reports
 from dask_pcm.exceptions import PCMError
 from dask_pcm.fever.data import ERRORS
 from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.scoring import METHODS
+from dask_pcm.gpus import visible_gpus
 from dask_pcm.loaders.embedded import embedded_model_dir
+from dask_pcm.loaders.gpu import DTYPES
 from dask_pcm.tasks import get_context
 
 DEMO_QUESTIONS = [
@@ -201,6 +206,68 @@ def fever(json_path: str | None, **options: Any) -> None:
                 f"--json {json_path}: cannot write the report: {exc}"
             ) from exc
         click.echo(f"summary and report written to {json_path}")
+
+
+@main.command()
+@MODEL
+@click.option(
+    "--scheduler",
+    default=None,
+    help="Examine the workers of this running scheduler (default: start local ones).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Local worker processes (default: one per GPU, else one).",
+)
+@click.option("--device", default="auto", show_default=True, help="As for CausalLM.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True)
+@click.option("--no-compare", is_flag=True, help="Skip the comparison with CPU float32.")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), help="Also write the reports as JSON."
+)
+def doctor(
+    model: str | None,
+    scheduler: str | None,
+    workers: int | None,
+    device: str,
+    dtype: str,
+    no_compare: bool,
+    json_path: str | None,
+) -> None:
+    """Check what each worker's GPU (or CPU) and torch make of a context.
+
+    Per worker: device, compute capability, dtype, free memory, driver and CUDA versions,
+    the batch size it chooses, one forward pass against CPU float32, and advice where
+    something is off. Exits with status 1 when a worker cannot load the model.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if json_path:
+        _check_writable(json_path, "--json")
+    options: dict[str, Any] = {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "compare": not no_compare,
+    }
+    try:
+        if scheduler:
+            with Client(scheduler) as client:
+                reports = examine_workers(client, **options)
+        else:
+            count = workers or len(visible_gpus()) or 1
+            with local_cluster(n_workers=count) as cluster, Client(cluster) as client:
+                client.wait_for_workers(count)
+                reports = examine_workers(client, **options)
+    except (PCMError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(format_reports(reports))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([asdict(r) for r in reports], f, indent=2)
+    if any(r.error for r in reports):
+        sys.exit(1)
 
 
 def _check_writable(path: str, option: str) -> None:
