@@ -25,7 +25,7 @@ from dask_pcm.loaders.gpu import (
     rows_that_fit,
 )
 from dask_pcm.loaders.model import CPU_BATCH_SIZE, TOKENS_PER_PROMPT, LanguageModel
-from dask_pcm.templates.sources import ResolvedSource, resolve_source
+from dask_pcm.templates.sources import ResolvedSource, resolve_source, template_files
 
 __all__ = ["CPU_BATCH_SIZE", "TOKENS_PER_PROMPT", "CausalLM", "LanguageModel"]
 
@@ -143,6 +143,15 @@ class CausalLM:
             element = next(lm.model.parameters()).element_size()
             need = prompt_bytes(lm.model.config, element, TOKENS_PER_PROMPT, "logits")
             lm.batch_size = rows_that_fit(lm.memory_budget, need)
+
+    def estimate_bytes(self, location: str | os.PathLike[str] | None) -> int:
+        """Memory a model loaded from ``location`` will take, before loading it: the size of
+        its files (the weights dominate). The worker makes that much room first
+        (``pcm.worker.context-memory-limit``); 0 when the location cannot be read yet."""
+        try:
+            return sum(p.stat().st_size for p in template_files(resolve_source(location)))
+        except (OSError, ModelSourceError):
+            return 0
 
     def release(self, lm: LanguageModel) -> None:
         """Drop ``lm``'s model and tokenizer and give their device memory back.

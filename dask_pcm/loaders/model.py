@@ -54,7 +54,7 @@ class LanguageModel:
     tokenizer
         Its tokenizer, with a pad token.
     device
-        Where the model lives, e.g. ``"cpu"`` or ``"cuda"``.
+        Where the model lives, e.g. ``"cpu"`` or ``"cuda:0"``.
     source
         The location it was loaded from.
     batch_size
@@ -87,8 +87,10 @@ class LanguageModel:
     warning: str | None = None
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
 
-    def _rows(self, prompts: list[str], method: str, new_tokens: int) -> int:
-        """Prompts per pass: ``batch_size``, fewer where the memory budget says so."""
+    def rows_per_pass(self, prompts: list[str], method: str = "logits", new_tokens: int = 0) -> int:
+        """Prompts per forward pass for ``prompts``: ``batch_size``, fewer where the memory
+        budget does not hold that many of the longest prompt for ``method`` (``"logits"`` or
+        ``"generate"`` with ``new_tokens``)."""
         rows = max(1, int(self.batch_size))
         if self.memory_budget is None:
             return rows
@@ -107,7 +109,7 @@ class LanguageModel:
         """``run`` over ``prompts`` in passes that fit, halving a pass that runs out of memory."""
         parts: list[Any] = []
         with self.lock:
-            rows = self._rows(prompts, method, new_tokens)
+            rows = self.rows_per_pass(prompts, method, new_tokens)
             done = 0
             while done < len(prompts):
                 chunk = prompts[done : done + rows]

@@ -77,6 +77,20 @@ class Holder:
         self.record.batch_size = batch_size
         return changed
 
+    def expected_bytes(self) -> int:
+        """What a build will hold: its size last time, else the loader's estimate
+        (``loader.estimate_bytes(location)``, where the loader has one), else 0."""
+        if self.record.nbytes:
+            return self.record.nbytes
+        estimate = getattr(self.context.loader, "estimate_bytes", None)
+        if estimate is None:
+            return 0
+        try:
+            return max(0, int(estimate(self.record.location or "")))
+        except Exception as exc:  # an estimate is advice: the build reports real problems
+            logger.debug("No size estimate for context %r: %r", self.context.name, exc)
+            return 0
+
     def keep(self, value: Any) -> None:
         """Make ``value`` the resident context, unless closed meanwhile (then free it)."""
         nbytes = size_of(value)

@@ -43,10 +43,9 @@ class Full(Level):
     resident = True
 
     def prepare(self, plugin: ContextPlugin) -> None:
-        # Room first, for what the context took last time or, at its first load, for its
-        # template (the weights on disk); once built, again for its real size.
-        record = plugin.record
-        plugin.make_room(max(record.nbytes, record.template_bytes))
+        # Room first, for what the context took last time or, at its first load, what the
+        # loader expects (CausalLM: the weights on disk); once built, again for its real size.
+        plugin.make_room(plugin.holder.expected_bytes())
         plugin.holder.keep(plugin.holder.build())
 
     def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:

@@ -240,9 +240,9 @@ def test_passes_on_a_gpu_take_fewer_rows_for_long_prompts_and_for_generation(tin
     element = 4
     short = prompt_bytes(lm.model.config, element, 8, "logits")
     lm.memory_budget = 16 * short
-    assert lm._rows(["a b c"] * 3, "logits", 0) == 16
-    assert lm._rows(["word " * 200] * 3, "logits", 0) < 16
-    assert lm._rows(["a b c"] * 3, "generate", 32) < 16
+    assert lm.rows_per_pass(["a b c"] * 3, "logits", 0) == 16
+    assert lm.rows_per_pass(["word " * 200] * 3, "logits", 0) < 16
+    assert lm.rows_per_pass(["a b c"] * 3, "generate", 32) < 16
 
 
 def test_release_empties_the_cuda_cache(monkeypatch, tiny_model_dir):

@@ -218,3 +218,11 @@ def test_concurrent_loads_in_one_process_leave_later_loads_intact(tiny_model_dir
     lm = loader(None)  # the embedded model ties lm_head to the embeddings
     assert {p.device.type for p in lm.model.parameters()} == {"cpu"}
     assert lm.model.lm_head.weight.data_ptr() == lm.model.model.embed_tokens.weight.data_ptr()
+
+
+def test_the_loader_estimates_a_models_memory_from_its_files(tiny_model_dir, tmp_path):
+    loader = CausalLM(device="cpu")
+    weights = (tiny_model_dir / "model.safetensors").stat().st_size
+    estimate = loader.estimate_bytes(str(tiny_model_dir))
+    assert weights < estimate < weights + 2**20  # the weights, and the small files beside them
+    assert loader.estimate_bytes(str(tmp_path / "missing")) == 0

@@ -270,33 +270,34 @@ def test_three_contexts_with_a_budget_for_two_evict_the_least_recently_used(one_
 OTHERS_AT_BUILD: list[dict[str, str]] = []
 
 
-def observing_loader(location: str) -> Blob:
-    """A 1 MiB context that notes the states of the worker's other contexts as it builds."""
-    from dask_pcm.worker import context_plugins
+class ObservingLoader:
+    """A 2 MiB context that says so before it loads, and notes the states of the worker's
+    other contexts as it builds."""
 
-    (worker,) = OBSERVED_WORKERS  # in this process (processes=False)
-    plugins = context_plugins(worker)
-    OTHERS_AT_BUILD.append({n: p.state for n, p in plugins.items() if n != "big"})
-    return Blob(2**20)
+    def estimate_bytes(self, location: str) -> int:
+        return 2 * 2**20
+
+    def __call__(self, location: str) -> Blob:
+        from dask_pcm.worker import context_plugins
+
+        (worker,) = OBSERVED_WORKERS  # in this process (processes=False)
+        plugins = context_plugins(worker)
+        OTHERS_AT_BUILD.append({n: p.state for n, p in plugins.items() if n != "big"})
+        return Blob(2 * 2**20)
 
 
 OBSERVED_WORKERS: list = []
 
 
-def test_a_first_load_makes_room_for_its_template_before_building(one_worker, tmp_path):
+def test_a_first_load_makes_room_for_what_the_loader_expects_before_building(one_worker):
     # Without it the new context was built beside the old ones and only then fitted in: on a
     # GPU, an out-of-memory error instead of an eviction.
     cluster, client = one_worker
-    template = tmp_path / "weights"
-    template.mkdir()
-    (template / "config.json").write_text("{}")
-    (template / "model.safetensors").write_bytes(b"w" * 2 * 2**20)
     OTHERS_AT_BUILD.clear()
     with dask.config.set({"pcm.worker.context-memory-limit": "2.5 MiB"}):
         dask_pcm.register(client, dask_pcm.Context("small", BlobLoader(2**20)))
         OBSERVED_WORKERS[:] = cluster.workers.values()
-        big = dask_pcm.Context("big", observing_loader, template=str(template))
-        dask_pcm.register(client, big)
+        dask_pcm.register(client, dask_pcm.Context("big", ObservingLoader()))
     assert OTHERS_AT_BUILD == [{"small": "evicted"}]
 
 
