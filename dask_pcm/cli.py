@@ -171,7 +171,9 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
     "(dask-jobqueue configuration: jobqueue.sge / jobqueue.htcondor).",
 )
 @workers(
-    None, "Local worker processes (default: one per core), or the most worker jobs (default 4)."
+    None,
+    "Local worker processes (default: one per GPU, else one per core), or the most worker "
+    "jobs (default 4).",
 )
 def fever(json_path: str | None, **options: Any) -> None:
     """Rank prompt templates for an LLM as a FEVER fact checker.
