@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,23 @@ def assert_handed_back(client: Client, held: list, queued: list, other: str, log
     assert client.gather(queued) == [i * i for i in range(10, 20)]
     assert client.who_has(held)[held[0].key] == (other,)
     assert sorted(int(x) for x in log.read_text().split()) == [0, 1, *range(10, 20)]
+
+
+def run_in_threads(work: Callable[[], Any], count: int) -> list[BaseException]:
+    """Run ``work`` in ``count`` threads that start together; what they raised."""
+    barrier = threading.Barrier(count)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        barrier.wait()
+        try:
+            work()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

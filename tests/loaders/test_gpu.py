@@ -7,7 +7,6 @@ method needs and shrink after an out-of-memory error, a failed load frees what i
 
 from __future__ import annotations
 
-import threading
 import time
 import types
 from types import SimpleNamespace
@@ -21,6 +20,7 @@ import dask_pcm.loaders.llm as llm
 from dask_pcm.exceptions import ContextLoadError, DeviceMemoryError
 from dask_pcm.loaders.gpu import plan_device, prompt_bytes, rows_that_fit
 from dask_pcm.loaders.llm import CausalLM
+from tests.conftest import run_in_threads
 
 GiB = 2**30
 TITAN_X = ("NVIDIA TITAN X (Pascal)", (6, 1))
@@ -267,19 +267,10 @@ def test_threads_of_one_worker_take_turns_on_tokenizer_and_model(monkeypatch, ti
             inside[0] -= 1
 
     monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", forward)
-    errors: list[BaseException] = []
 
     def work() -> None:
-        try:
-            for i in range(5):
-                lm.next_token_logits([f"claim {i}", "the other claim of this batch"])
-        except BaseException as exc:
-            errors.append(exc)
+        for i in range(5):
+            lm.next_token_logits([f"claim {i}", "the other claim of this batch"])
 
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_in_threads(work, 4) == []
     assert len(overlaps) == 20 and max(overlaps) == 1

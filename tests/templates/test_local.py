@@ -4,7 +4,6 @@ damaged, with leftovers of dead processes removed (dask_pcm.templates.local)."""
 from __future__ import annotations
 
 import shutil
-import threading
 from pathlib import Path
 
 import dask
@@ -13,6 +12,7 @@ import pytest
 from dask_pcm.templates.local import local_copy
 from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, TemplateWriter, build_manifest
 from dask_pcm.templates.reader import SourceReader
+from tests.conftest import run_in_threads
 
 KIB = 1024
 
@@ -87,23 +87,12 @@ def test_staging_folders_of_dead_processes_are_removed(template, tmp_path):
 def test_two_threads_at_once_make_one_intact_copy(template, tmp_path):
     manifest, root = template
     make = _FromSource(manifest, root)
-    barrier = threading.Barrier(2)
     results: list[Path] = []
-    errors: list[BaseException] = []
 
     def copy() -> None:
-        barrier.wait()
-        try:
-            results.append(local_copy(tmp_path / "templates", manifest, make))
-        except BaseException as exc:
-            errors.append(exc)
+        results.append(local_copy(tmp_path / "templates", manifest, make))
 
-    threads = [threading.Thread(target=copy) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    assert run_in_threads(copy, 2) == []
     assert make.calls == 1
     assert results[0] == results[1]
     assert _same_files(manifest, results[0], root)
