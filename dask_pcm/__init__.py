@@ -19,7 +19,15 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
-from dask_pcm.client import map, register, registered_contexts, status, submit, unregister
+from dask_pcm.client import (
+    map,
+    register,
+    registered_contexts,
+    status,
+    status_page,
+    submit,
+    unregister,
+)
 from dask_pcm.context import Context, causal_lm
 from dask_pcm.deploy.batch import batch_cluster
 from dask_pcm.deploy.local import Nanny, local_cluster
@@ -78,6 +86,7 @@ __all__ = [
     "registered_contexts",
     "run_fever",
     "status",
+    "status_page",
     "submit",
     "unregister",
     "uses_context",

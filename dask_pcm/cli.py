@@ -100,6 +100,7 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
     start = time.perf_counter()
     with local_cluster(n_workers=workers) as cluster, Client(cluster) as client:
         click.echo(f"Cluster: {workers} workers, dashboard {client.dashboard_link}")
+        click.echo(f"Contexts: {pcm.status_page(client)}")
         level = level or default_level()
         context = causal_lm(model, name="demo", level=level)
         pcm.register(client, context)

@@ -238,17 +238,34 @@ def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFram
     loads, ...``. ``state`` is ``absent`` (no report yet), ``fetching`` (copying the
     template), ``loading``, ``ready``, ``failed`` (``error`` says why) or ``evicted`` (freed
     under ``pcm.worker.context-memory-limit``; rebuilt on demand). The same rows are served
-    as JSON at ``/pcm/status.json`` on the dashboard's port.
+    as JSON at ``/pcm/status.json`` on the dashboard's port. In Jupyter the table shows its
+    states coloured as on the ``/pcm/status`` page (:class:`dask_pcm.status_table.StatusTable`,
+    a DataFrame).
 
     Examples
     --------
     >>> dask_pcm.status(client)[["worker", "context", "state", "loads", "tasks"]]  # doctest: +SKIP
     """
-    import pandas as pd
+    from dask_pcm.status_table import StatusTable  # pandas, only when a table is asked for
 
     wanted = None if contexts is None else list(contexts)
     rows = client.run_on_scheduler(_status_rows, wanted)
-    return pd.DataFrame(rows, columns=list(COLUMNS))
+    return StatusTable(rows, columns=list(COLUMNS))
+
+
+def status_page(client: Client) -> str | None:
+    """Address of the contexts page (``/pcm/status``) beside ``client``'s Dask dashboard;
+    ``None`` when the scheduler serves no dashboard.
+
+    Examples
+    --------
+    >>> dask_pcm.status_page(client)  # doctest: +SKIP
+    'http://127.0.0.1:8787/pcm/status'
+    """
+    link = client.dashboard_link
+    if not link:
+        return None
+    return link.rsplit("/", 1)[0] + "/pcm/status"
 
 
 def submit(

@@ -12,6 +12,8 @@ from keyword arguments. dask_pcm adds what its workers need:
   (:mod:`dask_pcm.deploy.preemption`);
 - ``--preload-nanny dask_pcm.deploy.gpu``: each worker process claims one GPU of those its job
   may see (:mod:`dask_pcm.deploy.gpu`), also where the site binds no GPU to a job;
+- the scheduler preload :mod:`dask_pcm.scheduler.preload` (the contexts page in the
+  dashboard);
 - ``--lifetime`` and ``--lifetime-stagger`` from the walltime when one is set and the worker
   arguments name no lifetime: workers retire before the batch system kills them;
 - adaptive scaling (:class:`ContextAdaptive`) that never retires every worker holding a ready
@@ -40,6 +42,7 @@ from distributed.deploy.adaptive import Adaptive
 from tornado.ioloop import PeriodicCallback
 
 from dask_pcm.deploy import gpu
+from dask_pcm.scheduler import preload
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +286,11 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
             f"{int(seconds * 0.05)}s",
         ]
     out["worker_extra_args"] = args
+
+    # The contexts page in the dashboard ("More..."), and /pcm/status from the start.
+    scheduler_options = dict(setting("scheduler_options") or {})
+    scheduler_options["preload"] = preload.with_preload(scheduler_options.get("preload"))
+    out["scheduler_options"] = scheduler_options
     return out
 
 

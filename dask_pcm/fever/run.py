@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -128,7 +129,8 @@ def run_fever(
         Worker processes of the local cluster, or the most worker jobs of a batch cluster
         (``cluster`` given as a string only); at least 1.
     progress : bool
-        Show a progress bar over units.
+        A progress bar of units (tqdm), and, when ``run_fever`` starts the cluster itself,
+        the addresses of Dask's dashboard and of the contexts page on standard error.
     batch_size : int, optional
         Old name of ``claims_per_task`` (deprecated).
 
@@ -168,6 +170,14 @@ def run_fever(
         done = store.done({u.name: len(u.claims) for u in units}) if store else set()
         todo = [u for u in units if u.name not in done]
         client, owned = _client(cluster, workers)
+        if owned and progress:
+            # Where to watch: the cluster is ours, so the user has no other way to know.
+            print(
+                f"Dask dashboard: {client.dashboard_link}\n"
+                f"Contexts:       {pcm.status_page(client)}",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             pcm.register(client, context, level=level)
             before = _tasks_by_worker(client)

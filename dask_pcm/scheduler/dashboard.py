@@ -25,25 +25,29 @@ from dask_pcm.protocol import COLUMNS
 if TYPE_CHECKING:
     from dask_pcm.scheduler.plugin import ContextScheduler
 
-#: The status columns the page's table shows: (column, heading, how to format it).
-PAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("worker", "worker", "text"),
-    ("context", "context", "text"),
-    ("state", "state", "state"),
-    ("state_seconds", "for", "seconds"),
-    ("loads", "loads", "number"),
-    ("load_seconds", "load time", "seconds"),
-    ("tasks", "tasks", "number"),
-    ("task_errors", "errors", "number"),
-    ("evictions", "evictions", "number"),
-    ("nbytes", "memory", "bytes"),
-    ("device", "device", "text"),
-    ("dtype", "dtype", "text"),
-    ("batch_size", "batch", "number"),
-    ("warning", "warning", "error"),
-    ("error", "error", "error"),
+#: The status columns the page's table shows: (column, heading, how to format it, what it
+#: counts: the heading's tooltip).
+PAGE_COLUMNS: tuple[tuple[str, str, str, str], ...] = (
+    ("worker", "worker", "text", ""),
+    ("context", "context", "text", ""),
+    ("state", "state", "state", ""),
+    ("state_seconds", "for", "seconds", "time in this state"),
+    ("loads", "loads", "number", "builds of the context on this worker"),
+    ("load_seconds", "load time", "seconds", "time spent building it, all builds"),
+    ("tasks", "tasks", "number", "context tasks finished on this worker"),
+    ("task_errors", "errors", "number", "of those, tasks that raised"),
+    ("evictions", "evictions", "number", "times freed under the memory limit"),
+    ("nbytes", "memory", "bytes", "size of the resident context"),
+    ("template_bytes", "template", "bytes", "size of the template (the model files)"),
+    ("bytes_from_peers", "from peers", "bytes", "template bytes copied from other workers"),
+    ("bytes_from_source", "from source", "bytes", "template bytes read from the source"),
+    ("device", "device", "text", ""),
+    ("dtype", "dtype", "text", ""),
+    ("batch_size", "batch", "number", "prompts per forward pass"),
+    ("warning", "warning", "error", ""),
+    ("error", "error", "error", ""),
 )
-_unknown = [c for c, _, _ in PAGE_COLUMNS if c not in COLUMNS]
+_unknown = [c for c, *_ in PAGE_COLUMNS if c not in COLUMNS]
 assert not _unknown, f"page columns not in the status record: {_unknown}"
 
 

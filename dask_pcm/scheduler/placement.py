@@ -110,14 +110,19 @@ class Steering:
                 out[name] = out.get(name, 0) + 1
         return out
 
-    def wanted(self) -> set[str]:
-        """Contexts that unfinished context tasks need."""
-        out: set[str] = set()
+    def pending(self) -> dict[str, int]:
+        """Per context, its unfinished tasks: queued, waiting for a worker, or running."""
+        out: dict[str, int] = {}
         for key, names in self.needs.items():
             ts = self.scheduler.tasks.get(key)
-            if ts is not None and ts.state not in ("memory", "erred", "forgotten"):
-                out.update(names)
+            if ts is not None and ts.state not in _FINISHED:
+                for name in names:
+                    out[name] = out.get(name, 0) + 1
         return out
+
+    def wanted(self) -> set[str]:
+        """Contexts that unfinished context tasks need."""
+        return set(self.pending())
 
     # -- state changes -----------------------------------------------------------------------
     def refresh(self, names: Iterable[str], stimulus_id: str) -> None:
@@ -254,6 +259,9 @@ class Steering:
                 traceback_text="",
             )
         logger.warning("%d waiting task(s) erred: %s", len(doomed), str(exc).splitlines()[0])
+
+
+_FINISHED = ("memory", "erred", "forgotten")
 
 
 def _needing(name: str) -> Callable[[tuple[str, ...]], bool]:

@@ -148,9 +148,9 @@ class ContextScheduler(SchedulerPlugin):
         return self.states.rows(contexts)
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """Per context: level, workers per state, tasks served, tasks waiting for a worker
-        where it is ready."""
-        return self.states.summary(self.steering.waiting())
+        """Per context: level, workers per state, tasks served, tasks queued or running, and
+        of those the tasks waiting for a worker where it is ready."""
+        return self.states.summary(self.steering.waiting(), self.steering.pending())
 
 
 def get_plugin(scheduler: Scheduler) -> ContextScheduler:

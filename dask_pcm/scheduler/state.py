@@ -182,8 +182,11 @@ class ContextStates:
             for _, p in sorted(self.placements[name].items())
         ]
 
-    def summary(self, waiting: dict[str, int]) -> dict[str, dict[str, Any]]:
-        """Per context: level, workers per state, tasks served, ``waiting`` tasks."""
+    def summary(
+        self, waiting: dict[str, int], pending: dict[str, int]
+    ) -> dict[str, dict[str, Any]]:
+        """Per context: level, workers per state, tasks served, ``pending`` tasks (queued or
+        running) and, of those, ``waiting`` ones (no worker where the context is ready)."""
         out = {}
         for name, by_worker in sorted(self.placements.items()):
             states: dict[str, int] = {}
@@ -193,6 +196,7 @@ class ContextStates:
                 "level": self.levels.get(name),
                 "workers": states,
                 "tasks": sum(p.tasks for p in by_worker.values()),
+                "pending_tasks": pending.get(name, 0),
                 "waiting_tasks": waiting.get(name, 0),
             }
         return out

@@ -302,6 +302,7 @@ async def fetch(
     reader: SourceReader | None = None,
     in_flight: int = 4,
     timeout: float | str | None = "configured",
+    report: FetchReport | None = None,
 ) -> tuple[Path, FetchReport]:
     """Assemble ``manifest``'s template at ``dest`` on ``worker``; the path and a report.
 
@@ -309,6 +310,7 @@ async def fetch(
     :class:`SourcePlanner` with ``pcm.template.peer-to-peer`` false), ``reader`` to
     :func:`~dask_pcm.templates.reader.source_reader`, ``timeout`` to ``pcm.template.fetch-timeout``.
     ``source_root`` is the folder the manifest's files are relative to (None: peers only).
+    ``report``, when given, is filled as chunks arrive (for progress), and returned.
 
     Raises
     ------
@@ -319,7 +321,7 @@ async def fetch(
         peer_to_peer = config.get("template.peer-to-peer")
         planner = DirectoryPlanner(worker, manifest.digest) if peer_to_peer else SourcePlanner()
     reader = reader or source_reader()
-    report = FetchReport()
+    report = FetchReport() if report is None else report
     writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
     store = TemplateStore.of(worker)
     store.add_partial(writer)  # serve what arrives, at once

@@ -30,7 +30,7 @@ def describe_device(value: Any) -> str | None:
         return f"{text} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
     if text == "cpu":
         threads = torch.get_num_threads() if torch is not None else os.cpu_count()
-        return f"cpu ({threads} threads, {cpu_model()})"
+        return f"cpu ({threads} thread{'' if threads == 1 else 's'}, {cpu_model()})"
     return text
 
 

@@ -112,10 +112,15 @@ class ContextPlugin(WorkerPlugin):
             template=self.context.template,
             location=self.context.template or "",
         )
-        self.template = WorkerTemplate(
-            worker, self.context.template, self.manifest, self.record, self._lock
-        )
         self.reporter = Reporter(worker, self.record, self._lock)
+        self.template = WorkerTemplate(
+            worker,
+            self.context.template,
+            self.manifest,
+            self.record,
+            self._lock,
+            self.reporter.changed,
+        )
         self.holder = Holder(
             self.context, self.record, self._lock, self.reporter, self._event.clear
         )

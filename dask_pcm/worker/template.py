@@ -19,8 +19,10 @@ context's status record.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How often a copy in progress updates the bytes it has so far in the status record.
+PROGRESS_SECONDS = 1.0
+
 
 class WorkerTemplate:
     """The template of context ``record.context`` on ``worker``.
@@ -55,6 +60,8 @@ class WorkerTemplate:
         The template's chunk manifest (JSON) from the client, or None.
     record, lock
         The context's status record on this worker, and the lock that guards it.
+    changed
+        Called when the record changed (bytes copied so far, every second of a copy).
     """
 
     def __init__(
@@ -64,12 +71,14 @@ class WorkerTemplate:
         manifest: str | None,
         record: ContextStatus,
         lock: threading.Lock,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
         self.worker = worker
         self.template = template
         self.manifest = manifest
         self.record = record
         self.lock = lock
+        self.changed = changed
         self.directory = Path(
             config.get("worker.template-directory")
             or Path(worker.local_directory) / "pcm-templates"
@@ -103,19 +112,34 @@ class WorkerTemplate:
     def _fetch(self, manifest: Manifest, dest: Path, planner: Planner | None) -> None:
         source, problem = self._source_root()
         loop = self.worker.loop.asyncio_loop  # type: ignore[attr-defined]
-        copying = fetch(self.worker, manifest, dest, source, planner=planner)
+        report = FetchReport()
+        with self.lock:
+            self.record.template_bytes = manifest.total_bytes
+            before = (self.record.bytes_from_peers, self.record.bytes_from_source)
+        copying = fetch(self.worker, manifest, dest, source, planner=planner, report=report)
+        future = asyncio.run_coroutine_threadsafe(copying, loop)
         try:
-            _, report = asyncio.run_coroutine_threadsafe(copying, loop).result()
+            while True:
+                try:
+                    future.result(timeout=PROGRESS_SECONDS)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self._count(report, before)  # the bytes so far, for status and the page
         except TemplateFetchError as exc:
             if not problem:
                 raise
             raise TemplateFetchError(f"{exc}; the source: {problem}") from exc
+        self._count(report, before)
         with self.lock:
-            self.record.bytes_from_peers += report.bytes_from_peers
-            self.record.bytes_from_source += report.bytes_from_source
             self.record.corrupted_chunks += report.corrupted
             self.record.fetch_seconds += report.seconds
         self._log(report)
+
+    def _count(self, report: FetchReport, before: tuple[int, int]) -> None:
+        with self.lock:
+            self.record.bytes_from_peers = before[0] + report.bytes_from_peers
+            self.record.bytes_from_source = before[1] + report.bytes_from_source
+        self.changed()
 
     def _log(self, report: FetchReport) -> None:
         troubled = report.corrupted or report.failed_peers

@@ -24,11 +24,8 @@ from tests.conftest import assert_handed_back, load_the_victim, wait_gone
 
 def _script(kind: str, **kwargs) -> str:
     cls = batch.SGECluster if kind == "sge" else batch.HTCondorCluster
-    with cls(
-        watch_interval="1h",
-        scheduler_options={"dashboard_address": ":0"},
-        **job_options(kind, **kwargs),
-    ) as cluster:
+    options = job_options(kind, scheduler_options={"dashboard_address": ":0"}, **kwargs)
+    with cls(watch_interval="1h", **options) as cluster:
         return cluster.job_script()
 
 
@@ -55,6 +52,8 @@ def test_configured_lifetime_and_directives_are_kept():
         options = job_options("sge", cores=1, memory="1GB")
     assert options["job_extra_directives"] == ["-notify", "-l h_vmem=8G"]  # no second -notify
     assert options["worker_extra_args"] == ["--lifetime", "20m", "--preload-nanny", gpu.PRELOAD]
+    # The scheduler gets the contexts page in its dashboard.
+    assert options["scheduler_options"] == {"preload": ["dask_pcm.scheduler.preload"]}
     with pytest.raises(ValueError, match="unknown batch system 'slurm'"):
         job_options("slurm")
     with pytest.raises(ValueError, match="walltime 'soon'"):

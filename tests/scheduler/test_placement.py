@@ -242,6 +242,29 @@ def test_allow_other_workers_runs_on_a_worker_still_loading(one_worker):
     assert strict.result(timeout=10) == worker
 
 
+def _summary(dask_scheduler=None) -> dict:
+    from dask_pcm.scheduler import get_plugin
+
+    return get_plugin(dask_scheduler).summary()
+
+
+def test_the_summary_tells_queued_work_from_work_waiting_for_a_ready_worker(one_worker):
+    # The page said "tasks waiting 0" while most units were queued: it counted only tasks
+    # that no worker with the context ready could take.
+    cluster, client = one_worker
+    _only_a_loading_worker(cluster, client)
+    strict = [dask_pcm.submit(client, where, i, context="gated") for i in range(2)]
+    loose = dask_pcm.submit(client, where, 9, context="gated", allow_other_workers=True)
+    _wait_task_states(client, strict, {"no-worker"})
+    _wait_task_states(client, [loose], {"processing"})
+    gated = client.run_on_scheduler(_summary)["gated"]
+    assert (gated["pending_tasks"], gated["waiting_tasks"]) == (3, 2)
+    GATE.set()
+    client.gather([*strict, loose])
+    gated = client.run_on_scheduler(_summary)["gated"]
+    assert (gated["tasks"], gated["pending_tasks"], gated["waiting_tasks"]) == (3, 0, 0)
+
+
 def test_three_contexts_with_a_budget_for_two_evict_the_least_recently_used(one_worker):
     _, client = one_worker
     (worker,) = _workers(client)
@@ -316,7 +339,7 @@ def test_status_json_route_matches_status_and_metrics(one_worker):
         table.drop(columns=drop).to_dict("records")
     )
     assert doc["columns"] == list(table.columns)  # one schema: protocol.ContextStatus
-    assert {c for c, _, _ in doc["page_columns"]} <= set(doc["columns"])
+    assert {c for c, *_ in doc["page_columns"]} <= set(doc["columns"])
     assert doc["contexts"]["gated"]["workers"] == {"ready": 2}
     assert doc["contexts"]["gated"]["tasks"] == 6
 
