@@ -26,6 +26,17 @@ EVICTED = "evicted"  # freed under the memory budget; rebuilt on demand
 CLOSED = "closed"  # unregistered, or the worker is closing
 STATES = (ABSENT, FETCHING, LOADING, READY, FAILED, EVICTED, CLOSED)
 
+#: How the pages and Jupyter colour each state (``/pcm/status`` has the same in its CSS).
+STATE_COLOURS = {
+    READY: "#2e9d4e",
+    FETCHING: "#d08a1a",
+    LOADING: "#d08a1a",
+    FAILED: "#c8372d",
+    EVICTED: "#7a7a7a",
+    ABSENT: "#aaaaaa",
+    CLOSED: "#aaaaaa",
+}
+
 # The worker plugin's report, over the worker's batched stream (ordered with task results).
 STATE_OP = "pcm-context-state"
 # Worker handler: one chunk of a template the worker holds.

@@ -7,16 +7,7 @@ from typing import Any
 
 import pandas as pd
 
-#: Background colour of each state, as on the ``/pcm/status`` page.
-STATE_COLOURS = {
-    "ready": "#2e9d4e",
-    "loading": "#d08a1a",
-    "fetching": "#d08a1a",
-    "failed": "#c8372d",
-    "evicted": "#7a7a7a",
-    "absent": "#aaaaaa",
-    "closed": "#aaaaaa",
-}
+from dask_pcm.protocol import STATE_COLOURS
 
 
 def _state_style(state: Any) -> str:

@@ -19,25 +19,19 @@ contexts per worker. Bokeh is imported only when the page is drawn.
 from __future__ import annotations
 
 import html
+import json
 from typing import Any
 
-from dask_pcm.protocol import READY
+from dask_pcm.protocol import READY, STATE_COLOURS
 from dask_pcm.scheduler.dashboard import PAGE_COLUMNS
 from dask_pcm.scheduler.plugin import PLUGIN_NAME
 
 ROUTE = "/individual-pcm-contexts"
 
-_COLOURS = {
-    "ready": "#2e9d4e",
-    "loading": "#d08a1a",
-    "fetching": "#d08a1a",
-    "failed": "#c8372d",
-    "evicted": "#7a7a7a",
-}
+# A state as a coloured badge, in Bokeh's cell template language.
 _STATE_CELL = (
     '<span style="color: white; padding: 0 6px; border-radius: 8px; background: '
-    "<%= ({ready: '#2e9d4e', loading: '#d08a1a', fetching: '#d08a1a', failed: '#c8372d', "
-    "evicted: '#7a7a7a'})[value] || '#aaaaaa' %>\"><%= value %></span>"
+    f"<%= ({json.dumps(STATE_COLOURS)})[value] || '#aaaaaa' %>\"><%= value %></span>"
 )
 
 
@@ -113,7 +107,7 @@ def _summary_html(contexts: dict[str, dict[str, Any]]) -> str:
     lines = []
     for name, c in contexts.items():
         states = " ".join(
-            f'<span style="color: {_COLOURS.get(s, "#777")}">{html.escape(s)} {k}</span>'
+            f'<span style="color: {STATE_COLOURS.get(s, "#777")}">{html.escape(s)} {k}</span>'
             for s, k in sorted(c["workers"].items(), key=lambda sk: sk[0] != READY)
         )
         lines.append(
