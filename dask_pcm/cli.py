@@ -179,8 +179,9 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
 def fever(json_path: str | None, **options: Any) -> None:
     """Rank prompt templates for an LLM as a FEVER fact checker.
 
-    Prints one row per template, best first: accuracy, number of claims, macro-F1 and the
-    recall of each label.
+    Prints one row per template, best first: accuracy with its 95 % interval, number of
+    claims, macro-F1, the recall of each label, accuracy and macro-F1 with each template's
+    label bias removed, and the p-value of the difference from the best template.
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if json_path:
@@ -190,8 +191,11 @@ def fever(json_path: str | None, **options: Any) -> None:
         result = run_fever(**given)
     except (PCMError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
+    from dask_pcm.fever.ranking import HOW_TO_READ, display_table  # pandas, once there is a table
+
     with pd_options():
-        click.echo(result.summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        click.echo(display_table(result.summary).to_string(index=False))
+    click.echo(f"\n{HOW_TO_READ}")
     report = result.report
     units = report["units"]
     click.echo(

@@ -76,6 +76,12 @@ def _seconds(value: Any) -> float:
     return float(dask.utils.parse_timedelta(value, default="s"))
 
 
+def prefix_cache_bytes() -> int:
+    """``pcm.worker.prefix-cache`` in bytes; 0 when off."""
+    value = get("worker.prefix-cache")
+    return 0 if not value else int(dask.utils.parse_bytes(value))
+
+
 def release_timeout() -> float:
     """``pcm.worker.release-timeout`` in seconds."""
     return _seconds(get("worker.release-timeout"))

@@ -72,6 +72,8 @@ class ContextStatus:
         Times the resident context was freed under ``pcm.worker.context-memory-limit``.
     nbytes
         Size of the resident context.
+    prefix_cache_bytes
+        Memory its kept prompt-prefix states take (``pcm.worker.prefix-cache``).
     device, dtype, batch_size
         Where it lives (``cpu (2 threads, <CPU>)``, ``cuda:0 (<GPU>, <memory>)``), the dtype
         of its weights, and the prompts per forward pass the loader chose (smaller after an
@@ -102,6 +104,7 @@ class ContextStatus:
     task_errors: int = field(default=0, metadata=_KEPT_BY_SCHEDULER)
     evictions: int = 0
     nbytes: int = 0
+    prefix_cache_bytes: int = 0
     device: str | None = None
     dtype: str | None = None
     batch_size: int | None = None

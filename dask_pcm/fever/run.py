@@ -27,12 +27,11 @@ from dask_pcm.context import causal_lm
 from dask_pcm.deploy.batch import KINDS, batch_cluster
 from dask_pcm.deploy.local import local_cluster
 from dask_pcm.fever.data import (
-    LABELS,
     demo_claims,
     load_claims,
     sample_claims,
 )
-from dask_pcm.fever.scoring import UNPARSEABLE, check_method
+from dask_pcm.fever.scoring import check_method
 from dask_pcm.fever.store import OutputStore
 from dask_pcm.fever.templates import get_templates
 from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance, score_unit
@@ -214,31 +213,12 @@ def run_fever(
 
 
 def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
-    """One row per template, best first: accuracy, n, macro-F1, recall per label, unparseable."""
-    import pandas as pd
+    """One row per template, best first: accuracy, n, macro-F1, recall per label, unparseable,
+    the accuracy's 95 % interval, calibrated accuracy and macro-F1, and the p-value against
+    the best template (:func:`dask_pcm.fever.ranking.rank`)."""
+    from dask_pcm.fever.ranking import rank  # pandas, only when a summary is made
 
-    out = []
-    for name, group in predictions.groupby("template", sort=False):
-        row: dict[str, Any] = {"template": name, "n": len(group)}
-        correct = group["predicted"] == group["label"]
-        row["accuracy"] = float(correct.mean())
-        f1s = []
-        for label in LABELS:
-            gold = group["label"] == label
-            pred = group["predicted"] == label
-            tp = int((gold & pred).sum())
-            recall = tp / int(gold.sum()) if gold.any() else float("nan")
-            precision = tp / int(pred.sum()) if pred.any() else 0.0
-            row[f"recall_{label}"] = recall
-            if gold.any():
-                f1s.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
-        row["macro_f1"] = sum(f1s) / len(f1s) if f1s else float("nan")
-        row["unparseable"] = int((group["predicted"] == UNPARSEABLE).sum())
-        out.append(row)
-    columns = ["template", "accuracy", "n", "macro_f1"]
-    columns += [f"recall_{label}" for label in LABELS] + ["unparseable"]
-    frame = pd.DataFrame(out, columns=columns)
-    return frame.sort_values(["accuracy", "macro_f1"], ascending=False, ignore_index=True)
+    return rank(predictions)
 
 
 def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:

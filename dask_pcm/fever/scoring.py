@@ -80,8 +80,14 @@ def _answer_ids(tokenizer: Any, answers: tuple[str, ...]) -> tuple[tuple[int, ..
     return tuple(ids)
 
 
-def score_logits(lm: Any, prompts: Sequence[str], answers: Sequence[str]) -> list[dict[str, Any]]:
+def score_logits(
+    lm: Any, prompts: Sequence[str], answers: Sequence[str], prefix: str | None = None
+) -> list[dict[str, Any]]:
     """Score a batch of ready prompts by next-token likelihood (one forward pass).
+
+    ``prefix``: text all ``prompts`` start with (the template's part before the claim); the
+    model keeps its key/value states and runs only the rest of each prompt (see
+    :meth:`dask_pcm.LanguageModel.next_token_logits`).
 
     Returns one dict per prompt: ``predicted`` (a label) and ``score_<LABEL>`` (the label's
     log-probability).
@@ -92,7 +98,10 @@ def score_logits(lm: Any, prompts: Sequence[str], answers: Sequence[str]) -> lis
     # "Already borrowed"): a LanguageModel's lock guards it.
     with getattr(lm, "lock", None) or contextlib.nullcontext():
         ids = answer_token_ids(lm.tokenizer, answers)
-    logprobs = torch.log_softmax(lm.next_token_logits(prompts), dim=-1)
+    logits = (
+        lm.next_token_logits(prompts) if prefix is None else lm.next_token_logits(prompts, prefix)
+    )
+    logprobs = torch.log_softmax(logits, dim=-1)
     per_label = torch.stack([logprobs[:, list(v)].logsumexp(-1) for v in ids], dim=-1)
     best = per_label.argmax(-1).tolist()
     rows = []

@@ -38,19 +38,34 @@ class Unit:
 
 
 def score_unit(
-    template: PromptTemplate, claims: Sequence[Claim], method: str, context: str = CONTEXT
+    template: PromptTemplate,
+    claims: Sequence[Claim],
+    method: str,
+    context: str = CONTEXT,
+    prefix_cache: bool = True,
 ) -> list[dict[str, Any]]:
-    """The task: score ``claims`` under ``template`` with the worker's resident model."""
+    """The task: score ``claims`` under ``template`` with the worker's resident model;
+    with ``prefix_cache`` the template's part before the claim is computed once per worker."""
     lm = get_context(context)
     prompts = [template.render(c.claim, lm.tokenizer) for c in claims]
     if method == "logits":
-        scored = score_logits(lm, prompts, template.answers)
+        head = template_head(template, lm.tokenizer) if prefix_cache else None
+        scored = score_logits(lm, prompts, template.answers, prefix=head)
     else:
         scored = score_generate(lm, prompts, template.answers)
     return [
         {"claim_id": c.id, "template": template.name, "label": c.label, **row}
         for c, row in zip(claims, scored, strict=True)
     ]
+
+
+_MARK = "\x00claim\x00"
+
+
+def template_head(template: PromptTemplate, tokenizer: Any) -> str:
+    """The text of ``template``'s prompts before the claim, chat preamble included: what all
+    its prompts share."""
+    return template.render(_MARK, tokenizer).split(_MARK, 1)[0]
 
 
 def make_units(

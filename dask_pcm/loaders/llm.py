@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from dask_pcm import config
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
 from dask_pcm.loaders.gpu import (
     BATCH_MEMORY_FRACTION,
@@ -25,6 +26,7 @@ from dask_pcm.loaders.gpu import (
     rows_that_fit,
 )
 from dask_pcm.loaders.model import CPU_BATCH_SIZE, TOKENS_PER_PROMPT, LanguageModel
+from dask_pcm.loaders.prefix import PrefixCache
 from dask_pcm.templates.sources import ResolvedSource, resolve_source, template_files
 
 __all__ = ["CPU_BATCH_SIZE", "TOKENS_PER_PROMPT", "CausalLM", "LanguageModel"]
@@ -111,6 +113,8 @@ class CausalLM:
             _prepare_padding(tokenizer, model)
             lm = LanguageModel(model, tokenizer, plan.device, str(resolved.path))
             lm.dtype, lm.warning = plan.dtype, plan.warning
+            limit = config.prefix_cache_bytes()
+            lm.prefix_cache = PrefixCache(limit) if limit else None
             self._size_batches(torch, lm, plan)
             _warm_up(lm, plan)
             if plan.is_cuda:
@@ -162,6 +166,8 @@ class CausalLM:
         """
         with lm.lock:  # not under a pass of another thread
             model, lm.model, lm.tokenizer = lm.model, None, None
+            if lm.prefix_cache is not None:
+                lm.prefix_cache.clear()
         if model is not None:
             _discard(model)
 

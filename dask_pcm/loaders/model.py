@@ -15,6 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from dask_pcm.exceptions import DeviceMemoryError
 from dask_pcm.loaders.gpu import free_cached_memory, is_out_of_memory, prompt_bytes, rows_that_fit
+from dask_pcm.loaders.prefix import (
+    MIN_PREFIX_TOKENS,
+    PrefixCache,
+    States,
+    last_logits,
+    prefix_states,
+    shared_prefix,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +76,9 @@ class LanguageModel:
         count); ``None`` on the CPU.
     warning
         Why the model runs where it does, when that may surprise (a GPU it could not use).
+    prefix_cache
+        Key/value states of prompt prefixes kept for :meth:`next_token_logits` (``prefix=``);
+        ``None``: none kept.
 
     Example
     -------
@@ -85,34 +96,45 @@ class LanguageModel:
     memory_budget: int | None = None
     device_bytes: int | None = None
     warning: str | None = None
+    prefix_cache: PrefixCache | None = field(default=None, repr=False, compare=False)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def rows_per_pass(self, prompts: list[str], method: str = "logits", new_tokens: int = 0) -> int:
         """Prompts per forward pass for ``prompts``: ``batch_size``, fewer where the memory
-        budget does not hold that many of the longest prompt for ``method`` (``"logits"`` or
-        ``"generate"`` with ``new_tokens``)."""
+        budget does not hold that many of the longest prompt for ``method`` (``"logits"``, or
+        ``"generate"`` with ``new_tokens``: a key/value cache in every pass)."""
+        return self._rows(self._longest(prompts), method, new_tokens)
+
+    def _longest(self, prompts: list[str]) -> int:
+        """Tokens of the longest prompt; 0 when no memory budget asks for it."""
+        if self.memory_budget is None or not prompts:
+            return 0
+        return max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
+
+    def _rows(self, longest: int, method: str, new_tokens: int) -> int:
         rows = max(1, int(self.batch_size))
         if self.memory_budget is None:
             return rows
-        longest = max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
         element = next(self.model.parameters()).element_size()
         need = prompt_bytes(self.model.config, element, longest, method, new_tokens)
         return min(rows, rows_that_fit(self.memory_budget, need))
 
     def _batched(
         self,
-        prompts: list[str],
-        run: Callable[[list[str]], Any],
+        items: list[Any],
+        run: Callable[[list[Any]], Any],
         method: str,
+        longest: int,
         new_tokens: int = 0,
     ) -> list[Any]:
-        """``run`` over ``prompts`` in passes that fit, halving a pass that runs out of memory."""
+        """``run`` over ``items`` (prompts of up to ``longest`` tokens) in passes that fit,
+        halving a pass that runs out of memory."""
         parts: list[Any] = []
         with self.lock:
-            rows = self.rows_per_pass(prompts, method, new_tokens)
+            rows = self._rows(longest, method, new_tokens)
             done = 0
-            while done < len(prompts):
-                chunk = prompts[done : done + rows]
+            while done < len(items):
+                chunk = items[done : done + rows]
                 try:
                     parts.append(run(chunk))
                     done += len(chunk)
@@ -143,13 +165,22 @@ class LanguageModel:
         )
         return smaller
 
-    def next_token_logits(self, prompts: Sequence[str]) -> torch.Tensor:
-        """Logits of the token after each prompt, as one batch.
+    def next_token_logits(self, prompts: Sequence[str], prefix: str | None = None) -> torch.Tensor:
+        """Logits of the token after each prompt.
+
+        Prompts of similar length share a forward pass (less padding); the result keeps the
+        order of ``prompts``.
 
         Parameters
         ----------
         prompts
             The prompts (a list of strings, not a single string).
+        prefix
+            Text that every prompt starts with, e.g. a template's instructions and examples.
+            The key/value cache of the tokens all prompts share with it is computed once and
+            kept (``prefix_cache``), and each pass runs only the rest of each prompt: the same
+            logits (to float rounding), a fraction of the work. ``None``: every pass runs
+            whole prompts.
 
         Returns
         -------
@@ -169,25 +200,36 @@ class LanguageModel:
         prompts = list(prompts)
         if not prompts:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        return torch.cat(self._batched(prompts, self._next_token_logits, "logits"))
+        with self.lock:
+            ids = self.tokenizer(prompts)["input_ids"]
+            start, states = self._prefix(ids, prefix)
+            order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+            rows = [ids[i][start:] for i in order]
+            pad = int(self.tokenizer.pad_token_id)
 
-    def _next_token_logits(self, prompts: list[str]) -> torch.Tensor:
-        import torch
+            def run(chunk: list[list[int]]) -> torch.Tensor:
+                return last_logits(self.model, chunk, pad, self.device, states, start)
 
-        with torch.inference_mode():
-            enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
-            mask = enc["attention_mask"]
-            # Positions count real tokens only, so a left-padded row sees the same positions
-            # as the same prompt alone.
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = self.model(
-                input_ids=enc["input_ids"],
-                attention_mask=mask,
-                position_ids=positions,
-                logits_to_keep=1,
-                use_cache=False,
-            )
-            return out.logits[:, -1, :].float().cpu()
+            # A cached prefix puts its keys and values in every pass, as generation does.
+            method = "logits" if states is None else "generate"
+            logits = torch.cat(self._batched(rows, run, method, start + len(rows[-1])))
+        out = torch.empty_like(logits)
+        out[torch.tensor(order)] = logits
+        return out
+
+    def _prefix(self, ids: list[list[int]], prefix: str | None) -> tuple[int, States | None]:
+        """Tokens of ``ids`` covered by ``prefix``'s cached states, and those states."""
+        if prefix is None or self.prefix_cache is None:
+            return 0, None
+        shared = shared_prefix(ids, self.tokenizer(prefix)["input_ids"])
+        if shared < MIN_PREFIX_TOKENS:
+            return 0, None
+        key = tuple(ids[0][:shared])
+        states = self.prefix_cache.get(key)
+        if states is None:
+            states = prefix_states(self.model, key, self.device)
+            self.prefix_cache.put(key, states)
+        return shared, states
 
     def complete(self, prompt: str, max_new_tokens: int = 8) -> str:
         """Greedy continuation of ``prompt``: only the new text.
@@ -222,7 +264,9 @@ class LanguageModel:
         def run(chunk: list[str]) -> list[str]:
             return self._generate(chunk, max_new_tokens)
 
-        return [t for part in self._batched(prompts, run, "generate", max_new_tokens) for t in part]
+        with self.lock:
+            parts = self._batched(prompts, run, "generate", self._longest(prompts), max_new_tokens)
+        return [t for part in parts for t in part]
 
     def _generate(self, prompts: list[str], max_new_tokens: int) -> list[str]:
         import torch
@@ -255,6 +299,11 @@ class LanguageModel:
                 [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
             )
         )
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """Bytes of the kept prefix states (on the model's device)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.nbytes
 
     @property
     def nbytes(self) -> int:

@@ -38,6 +38,7 @@ PAGE_COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("task_errors", "errors", "number", "of those, tasks that raised"),
     ("evictions", "evictions", "number", "times freed under the memory limit"),
     ("nbytes", "memory", "bytes", "size of the resident context"),
+    ("prefix_cache_bytes", "prefixes", "bytes", "kept key/value states of prompt prefixes"),
     ("template_bytes", "template", "bytes", "size of the template (the model files)"),
     ("bytes_from_peers", "from peers", "bytes", "template bytes copied from other workers"),
     ("bytes_from_source", "from source", "bytes", "template bytes read from the source"),

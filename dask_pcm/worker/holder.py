@@ -65,16 +65,19 @@ class Holder:
                 self.record.device = describe_device(value)
             self.record.dtype = _text(getattr(value, "dtype", None))
             self.record.warning = _text(getattr(value, "warning", None))
-            self._note_batch_size(value)
+            self._note_use(value)
         self.reporter.changed()
         return value
 
-    def _note_batch_size(self, value: Any) -> bool:
-        """Record the context's batch size (under lock); whether it changed."""
+    def _note_use(self, value: Any) -> bool:
+        """Record what a context's use changes (under lock): its batch size (smaller after an
+        out-of-memory error) and its prefix states' size; whether either changed."""
         batch_size = getattr(value, "batch_size", None)
         batch_size = batch_size if isinstance(batch_size, int) else None
-        changed = batch_size != self.record.batch_size
-        self.record.batch_size = batch_size
+        prefixes = getattr(value, "prefix_cache_bytes", 0)
+        prefixes = prefixes if isinstance(prefixes, int) else 0
+        changed = (batch_size, prefixes) != (self.record.batch_size, self.record.prefix_cache_bytes)
+        self.record.batch_size, self.record.prefix_cache_bytes = batch_size, prefixes
         return changed
 
     def expected_bytes(self) -> int:
@@ -160,7 +163,7 @@ class Holder:
             self.active -= 1
             self.last_used = time.monotonic()
             # A context that halved its batches after running out of memory says so.
-            changed = value is not None and self._note_batch_size(value)
+            changed = value is not None and self._note_use(value)
             pending = None
             if not self.active and self.pending is not None:
                 pending, self.pending = self.pending, None

@@ -17,6 +17,7 @@ import transformers
 
 import dask_pcm.loaders.gpu as gpu
 import dask_pcm.loaders.llm as llm
+import dask_pcm.loaders.prefix as prefix
 from dask_pcm.exceptions import ContextLoadError, DeviceMemoryError
 from dask_pcm.loaders.gpu import plan_device, prompt_bytes, rows_that_fit
 from dask_pcm.loaders.llm import CausalLM
@@ -134,7 +135,12 @@ class FakeCuda:
             fake.inputs_to.append(str(device))
             return encoding
 
+        def tensor_to(tensor, device):
+            fake.inputs_to.append(str(device))
+            return tensor
+
         monkeypatch.setattr(transformers.BatchEncoding, "to", batch_to)
+        monkeypatch.setattr(prefix, "to_device", tensor_to)
         real_load = llm._from_pretrained
         self.models: list = []
 
