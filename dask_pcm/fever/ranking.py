@@ -40,11 +40,11 @@ RANK_COLUMNS = (
 
 #: How to read the table :func:`display_table` makes, for the lines under it.
 HOW_TO_READ = """\
-accuracy [95% CI]: the Wilson 95 % interval of the accuracy on these claims.
-p_vs_best: exact McNemar test against the best template on the same claims; below 0.05 the
-  difference is unlikely to be chance (one test per template, the best picked on these claims).
-calibrated_*: the same metrics once each template's constant bias towards one label is removed
-  by centring its label scores over the claims (no gold labels used; '-' for method generate)."""
+accuracy [95% CI]: accuracy on these claims with its Wilson 95 % interval.
+p_vs_best: exact McNemar test against the best template, claim by claim; below 0.05 the gap is
+  unlikely to be chance on these claims (not corrected for comparing several templates).
+calibrated_*: the metrics once each template's constant bias towards a label is removed by
+  centring its label scores over the claims (no gold labels used; '-' for method generate)."""
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -138,22 +138,23 @@ def centred_predictions(group: pd.DataFrame, labels: Sequence[str] = LABELS) -> 
     "True" whatever the claim) thus gets that amount back, and what remains is what varies
     with the claim. It uses no gold labels, so it cannot leak them into the ranking, unlike
     calibration fitted on labelled claims; unlike calibration on a content-free input
-    (``"N/A"`` in place of the claim) it needs no extra forward pass per template.
+    (``"N/A"`` in place of the claim) it needs no extra forward pass per template. It
+    assumes the labels are not far from balanced among the claims (FEVER's dev set and the
+    stratified samples of ``limit`` are): centred scores favour no label on average, so on a
+    skewed set the frequent label is predicted less often than it occurs.
 
     Returns a Series on ``group``'s index: a label per claim, ``None`` where a score is
     missing or infinite, all ``None`` without score columns (method generate).
     """
     columns = [f"score_{label}" for label in labels]
-    result = pd.Series(None, index=group.index, dtype=object)
-    if not set(columns) <= set(group.columns):
-        return result
-    scores = group[columns].to_numpy(dtype=float)
-    usable = np.isfinite(scores).all(axis=1)
-    if not usable.any():
-        return result
-    centred = scores[usable] - scores[usable].mean(axis=0)
-    result[usable] = np.asarray(labels, dtype=object)[centred.argmax(axis=1)]
-    return result
+    chosen = np.full(len(group), None, dtype=object)
+    if set(columns) <= set(group.columns):
+        scores = group[columns].to_numpy(dtype=float)
+        usable = np.isfinite(scores).all(axis=1)
+        if usable.any():
+            centred = scores[usable] - scores[usable].mean(axis=0)
+            chosen[usable] = np.asarray(labels, dtype=object)[centred.argmax(axis=1)]
+    return pd.Series(chosen, index=group.index, dtype=object)
 
 
 def rank(predictions: pd.DataFrame, labels: Sequence[str] = LABELS) -> pd.DataFrame:
@@ -239,6 +240,6 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
         elif column == "unparseable":
             shown[column] = table[column]
     shown["p_vs_best"] = [
-        "best" if i == 0 else number(p, ".3g") for i, p in enumerate(table["p_vs_best"])
+        "best" if i == 0 else number(p, "#.3g") for i, p in enumerate(table["p_vs_best"])
     ]
     return shown

@@ -14,11 +14,15 @@ used by :class:`dask_pcm.loaders.llm.CausalLM` at load time and by ``dask-pcm do
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from dask_pcm.exceptions import DeviceMemoryError
 from dask_pcm.gpus import driver_version, installed_gpus
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -215,6 +219,20 @@ def is_out_of_memory(exc: BaseException) -> bool:
         or "CUBLAS_STATUS_ALLOC_FAILED" in text
         or "can't allocate memory" in text
     )
+
+
+def halved(rows: int, where: str, error: str) -> int:
+    """Rows for the retry of a pass of ``rows`` that ran out of memory ``where``: half.
+
+    Raises :class:`~dask_pcm.exceptions.DeviceMemoryError` when one row did not fit.
+    """
+    if rows <= 1:
+        raise DeviceMemoryError(f"one prompt per pass does not fit in memory on {where}: {error}")
+    smaller = rows // 2
+    logger.warning(
+        "Out of memory at %d prompts per pass on %s: %d per pass from now on", rows, where, smaller
+    )
+    return smaller
 
 
 def free_cached_memory(torch: Any) -> None:

@@ -13,16 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_pcm.exceptions import DeviceMemoryError
-from dask_pcm.loaders.gpu import free_cached_memory, is_out_of_memory, prompt_bytes, rows_that_fit
-from dask_pcm.loaders.prefix import (
-    MIN_PREFIX_TOKENS,
-    PrefixCache,
-    States,
-    last_logits,
-    prefix_states,
-    shared_prefix,
+from dask_pcm.loaders.gpu import (
+    free_cached_memory,
+    halved,
+    is_out_of_memory,
+    prompt_bytes,
+    rows_that_fit,
 )
+from dask_pcm.loaders.prefix import PrefixCache, last_logits
 
 if TYPE_CHECKING:
     import torch
@@ -43,17 +41,13 @@ TOKENS_PER_PROMPT = 512
 class LanguageModel:
     """A causal language model and its tokenizer, ready for inference.
 
-    Built by :class:`CausalLM`; tasks get it from ``dask_pcm.get_context(name)``. The tokenizer
-    pads on the left, so that the last position of every row in a batch is its real last token.
-    Longer lists of prompts are run ``batch_size`` at a time, a size chosen per worker for its
-    device when the model loads, so one work unit suits a CPU worker and a GPU worker alike.
-    On a GPU a pass also takes no more rows than ``memory_budget`` holds for the longest
-    prompt and the method (generation keeps a key/value cache). A pass that runs out of
-    memory is retried at half the rows, and the smaller ``batch_size`` is kept.
-
-    One lock (``lock``) serialises the tokenizer and the model between threads of a worker:
-    a fast tokenizer used by two threads at once fails ("Already borrowed"), and two passes
-    at once would need twice the memory the batch was sized for.
+    Built by :class:`CausalLM`; tasks get it from ``dask_pcm.get_context(name)``. Lists of
+    prompts run ``batch_size`` at a time (chosen per worker for its device at load), prompts
+    of similar length together; on a GPU a pass takes no more rows than ``memory_budget``
+    holds for its longest prompt and method. A pass that runs out of memory is retried at
+    half the rows, and the smaller ``batch_size`` is kept. One lock (``lock``) serialises the
+    tokenizer and the model between a worker's threads: a fast tokenizer shared by threads
+    fails ("Already borrowed"), and two passes at once would need twice the memory.
 
     Parameters
     ----------
@@ -149,20 +143,8 @@ class LanguageModel:
 
     def _halve(self, rows: int, method: str, error: str) -> int:
         free_cached_memory(sys.modules.get("torch"))
-        if rows <= 1:
-            raise DeviceMemoryError(
-                f"one prompt per pass does not fit in memory on {self.device} "
-                f"({method}, model {self.source}): {error}"
-            )
-        smaller = rows // 2
+        smaller = halved(rows, f"{self.device} ({method}, model {self.source})", error)
         self.batch_size = min(self.batch_size, smaller)
-        logger.warning(
-            "Out of memory at %d prompts per pass on %s (%s): %d per pass from now on",
-            rows,
-            self.device,
-            method,
-            smaller,
-        )
         return smaller
 
     def next_token_logits(self, prompts: Sequence[str], prefix: str | None = None) -> torch.Tensor:
@@ -202,7 +184,10 @@ class LanguageModel:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
         with self.lock:
             ids = self.tokenizer(prompts)["input_ids"]
-            start, states = self._prefix(ids, prefix)
+            start, states = 0, None
+            if prefix is not None and self.prefix_cache is not None:
+                limit = self.tokenizer(prefix)["input_ids"]
+                start, states = self.prefix_cache.states_for(ids, limit, self.model, self.device)
             order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
             rows = [ids[i][start:] for i in order]
             pad = int(self.tokenizer.pad_token_id)
@@ -216,20 +201,6 @@ class LanguageModel:
         out = torch.empty_like(logits)
         out[torch.tensor(order)] = logits
         return out
-
-    def _prefix(self, ids: list[list[int]], prefix: str | None) -> tuple[int, States | None]:
-        """Tokens of ``ids`` covered by ``prefix``'s cached states, and those states."""
-        if prefix is None or self.prefix_cache is None:
-            return 0, None
-        shared = shared_prefix(ids, self.tokenizer(prefix)["input_ids"])
-        if shared < MIN_PREFIX_TOKENS:
-            return 0, None
-        key = tuple(ids[0][:shared])
-        states = self.prefix_cache.get(key)
-        if states is None:
-            states = prefix_states(self.model, key, self.device)
-            self.prefix_cache.put(key, states)
-        return shared, states
 
     def complete(self, prompt: str, max_new_tokens: int = 8) -> str:
         """Greedy continuation of ``prompt``: only the new text.
@@ -283,22 +254,15 @@ class LanguageModel:
         return [str(t) for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
 
     def chat_prompt(self, message: str) -> str:
-        """``message`` as a user turn in the tokenizer's chat template, ready for the answer.
-
-        Returns ``message`` unchanged when the tokenizer has no chat template.
+        """``message`` as a user turn in the tokenizer's chat template, ready for the answer
+        (unchanged without a chat template).
 
         Example
         -------
         >>> lm.complete(lm.chat_prompt("What is the capital of France?"))  # doctest: +SKIP
         'The capital of France is Paris.'
         """
-        if not getattr(self.tokenizer, "chat_template", None):
-            return message
-        return str(
-            self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-            )
-        )
+        return chat_prompt(self.tokenizer, message)
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -318,3 +282,11 @@ class LanguageModel:
         if self.device_bytes is not None:
             return self.device_bytes
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def chat_prompt(tokenizer: Any, message: str) -> str:
+    """``message`` as a user turn in ``tokenizer``'s chat template, or as it is."""
+    if not getattr(tokenizer, "chat_template", None):
+        return message
+    turn = [{"role": "user", "content": message}]
+    return str(tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True))

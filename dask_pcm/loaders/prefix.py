@@ -81,6 +81,21 @@ class PrefixCache:
         self._entries.clear()
         self.nbytes = 0
 
+    def states_for(
+        self, ids: Sequence[Sequence[int]], limit: Sequence[int], model: Any, device: str
+    ) -> tuple[int, States | None]:
+        """How many leading tokens of ``ids`` the kept states cover (those all share with
+        ``limit``, the prefix text's tokens), and the states: computed on first use, kept."""
+        shared = shared_prefix(ids, limit)
+        if shared < MIN_PREFIX_TOKENS:
+            return 0, None
+        key = tuple(ids[0][:shared])
+        states = self.get(key)
+        if states is None:
+            states = prefix_states(model, key, device)
+            self.put(key, states)
+        return shared, states
+
 
 def _cache_argument(model: Any) -> str:
     """What the model's forward calls its key/value cache: ``cache`` from transformers 5.x

@@ -35,14 +35,14 @@ def test_every_builtin_template_scores_the_same_with_its_prefix_kept(lm, templat
 
 
 def test_the_prefix_runs_once_and_later_calls_reuse_it(lm, monkeypatch):
-    import dask_pcm.loaders.model as model
+    import dask_pcm.loaders.prefix as prefix_module
 
     template = get_templates("few-shot")[0]
     head = template_head(template, lm.tokenizer)
     lm.prefix_cache.clear()
     runs = []
-    real = model.prefix_states
-    monkeypatch.setattr(model, "prefix_states", lambda *a: runs.append(a[1]) or real(*a))
+    real = prefix_module.prefix_states
+    monkeypatch.setattr(prefix_module, "prefix_states", lambda *a: runs.append(a[1]) or real(*a))
     for start in (0, 4, 8):
         chunk = [c.claim for c in demo_claims().claims[start : start + 4]]
         lm.next_token_logits([template.render(c, lm.tokenizer) for c in chunk], prefix=head)

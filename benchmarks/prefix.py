@@ -1,0 +1,513 @@
+"""Prompt-prefix reuse: FEVER claims/s per template with the template's head kept, and without.
+
+Every prompt of a template starts with the same text (instructions, examples, the chat
+preamble); only the claim and what follows it differ. With prefix reuse the model runs that
+shared head once per worker, keeps its key/value states (``pcm.worker.prefix-cache``) and
+runs only each prompt's own tokens; without it every prompt runs in full. This script
+measures what that buys on the FEVER workload, template by template, and checks that it
+changes no prediction.
+
+Per built-in template (``dask_pcm.fever.get_templates``; ``--templates`` to choose; ``--quick``:
+few-shot and direct), N FEVER dev claims (default 64, ``--quick`` 32) in tasks of 16
+(``--claims-per-task``), each task ``dask_pcm.fever.units.score_unit(template, claims,
+"logits", prefix_cache=True|False)``, the task a FEVER run sends, submitted with
+``dask_pcm.submit``. The model is the embedded SmolLM2-135M-Instruct by default, resident at
+level ``full`` on one fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default); on a
+CPU worker it runs at most 8 prompts per forward pass, so a task of 16 claims is 2 passes.
+
+Per template: an untimed warm-up, then ``--repeats`` (default 3) repetitions, each one round
+with prefix reuse and one without, back to back, the first of the pair alternating (with
+first in repetitions 0, 2, ...; without first in 1, 3, ...), so that a slow stretch of this
+shared machine falls on both modes alike. A round scores all N claims; its claims/s is N over
+the seconds from submitting its tasks to having every result. The warm-up pays each worker's
+slower first passes on new shapes and fills the prefix cache: every task of the round is sent
+with prefix reuse once to every worker (pinned), then the round runs once without. The timed
+"with" rounds therefore measure the steady state where the prefix states are resident, which
+is the point of keeping them: a worker computes a template's prefix once and serves every
+later task of that template from it. That one-time cost is measured apart (``prefix_ms``).
+
+Columns, one row per template:
+
+- ``tokens``: tokens per prompt, mean over the N claims, counted with the model's tokenizer
+  in this process (chat preamble included).
+- ``prefix``: tokens every prompt of a task shares with the template's head
+  (``dask_pcm.loaders.prefix.shared_prefix``; the token where the head meets the claim is not
+  shared when the two merge), the part run once per worker; ``a-b`` when tasks differ.
+- ``run w/o``, ``run with``: token positions a forward pass runs per claim, padding included,
+  as the model batches them (prompts sorted by length, passes of 8): what the work shrinks
+  to. Their ratio is the speed-up to expect if time were proportional to tokens run.
+- ``w/o c/s``, ``with c/s``: median claims/s over the repetitions.
+- ``ratio``: median with / median without; ``range``: the lowest and highest ratio of one
+  repetition's pair (the pairs are printed below the table).
+- ``task ratio``: the same ratio from the tasks' compute time on the workers (Dask's task
+  stream), summed per round: the forward passes without the round trips and without the
+  wait for the slower worker at the end of a round. Well above ``ratio``: the rounds are too
+  short for the fixed costs around them.
+- ``target``: the issue's goal (few-shot and chat-few-shot at least 3x, direct at least
+  1.3x), and whether the ratio of medians meets it.
+- ``same``: predictions (labels) identical to the first round without reuse, in every round
+  of the template; ``max |d|``: largest absolute difference of a label score
+  (log-probability) from that round. Any changed label fails the run (exit status 1).
+- ``prefix_ms``: the one-time cost, one forward pass over the prefix tokens on a worker
+  (median of 3, mean over workers), what the first task of a template pays on each worker.
+
+The figures come from one machine: compare the two modes of one template, which ran side by
+side, rather than digits across runs. A ratio below the token ratio means costs that do not
+shrink with the tokens (per pass: copying the kept states into the pass, the model's fixed
+per-call work, tokenising; per round: scheduling and the last task's tail).
+
+Examples::
+
+    python benchmarks/prefix.py --quick
+    python benchmarks/prefix.py --json /tmp/prefix.json
+    python benchmarks/prefix.py --templates few-shot,chat-few-shot --repeats 5
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import _harness as h
+from distributed import Client, get_task_stream
+
+import dask_pcm
+from dask_pcm.fever import Claim, PromptTemplate, get_templates
+from dask_pcm.fever.units import CONTEXT, score_unit, template_head
+from dask_pcm.loaders.prefix import MIN_PREFIX_TOKENS, prefix_states, shared_prefix
+
+QUICK_TEMPLATES = "few-shot,direct"
+# The issue's goals: speed-up of claims/s with prefix reuse over without.
+TARGETS = {"few-shot": 3.0, "chat-few-shot": 3.0, "direct": 1.3}
+MODES = ("with", "without")
+COLUMNS = [
+    ("template", "template", ""),
+    ("prompt_tokens", "tokens", ".1f"),
+    ("prefix", "prefix", ""),
+    ("run_tokens_without", "run w/o", ".1f"),
+    ("run_tokens_with", "run with", ".1f"),
+    ("claims_per_second_without", "w/o c/s", ".2f"),
+    ("claims_per_second_with", "with c/s", ".2f"),
+    ("ratio", "ratio", ".2f"),
+    ("ratio_range", "range", ""),
+    ("task_ratio", "task ratio", ".2f"),
+    ("target_text", "target", ""),
+    ("same_text", "same", ""),
+    ("max_score_diff", "max |d|", ".1e"),
+    ("prefix_ms", "prefix_ms", ".1f"),
+]
+PAIR_COLUMNS = [
+    ("template", "template", ""),
+    ("repeat", "rep", "d"),
+    ("first", "first", ""),
+    ("seconds_with", "with s", ".2f"),
+    ("seconds_without", "w/o s", ".2f"),
+    ("claims_per_second_with", "with c/s", ".2f"),
+    ("claims_per_second_without", "w/o c/s", ".2f"),
+    ("ratio", "ratio", ".2f"),
+    ("task_ratio", "task ratio", ".2f"),
+]
+
+
+# -- on the workers ----------------------------------------------------------------------------
+def worker_model() -> dict[str, Any]:
+    """What the worker's resident model runs with: prompts per pass and the prefix cache."""
+    lm = dask_pcm.get_context(CONTEXT)
+    cache = lm.prefix_cache
+    return {
+        "batch_size": int(lm.batch_size),
+        "prefix_cache_limit": None if cache is None else int(cache.limit),
+        "prefix_entries": 0 if cache is None else len(cache),
+        "prefix_cache_bytes": int(lm.prefix_cache_bytes),
+    }
+
+
+def prefix_seconds(template: PromptTemplate, claims: Sequence[Claim]) -> float:
+    """Seconds of one forward pass over the prefix ``claims`` share under ``template``: what
+    computing the kept states costs, once per worker (median of 3; not stored)."""
+    lm = dask_pcm.get_context(CONTEXT)
+    with lm.lock:
+        ids = lm.tokenizer([template.render(c.claim, lm.tokenizer) for c in claims])["input_ids"]
+        head = lm.tokenizer(template_head(template, lm.tokenizer))["input_ids"]
+        shared = shared_prefix(ids, head)
+        if shared < MIN_PREFIX_TOKENS:
+            return 0.0
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            prefix_states(lm.model, ids[0][:shared], lm.device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- here ------------------------------------------------------------------------------------
+def load_tokenizer(model: str) -> Any:
+    """The model's tokenizer, as the loader reads it (no weights)."""
+    from transformers import AutoTokenizer
+
+    from dask_pcm.templates.sources import resolve_source
+
+    resolved = resolve_source(model)
+    if resolved.kind == "gguf":
+        return AutoTokenizer.from_pretrained(
+            str(resolved.path.parent), gguf_file=resolved.path.name
+        )
+    return AutoTokenizer.from_pretrained(str(resolved.path))
+
+
+def token_counts(
+    tokenizer: Any, template: PromptTemplate, chunks: list[list[Claim]], rows_per_pass: int
+) -> dict[str, Any]:
+    """Tokens per prompt, shared prefix per task and token positions run per claim, with and
+    without the prefix, counted as ``LanguageModel.next_token_logits`` batches them."""
+    head = tokenizer(template_head(template, tokenizer))["input_ids"]
+    lengths: list[int] = []
+    shared_per_task: list[int] = []
+    keys: set[tuple[int, ...]] = set()
+    run_without = run_with = 0
+    for chunk in chunks:
+        ids = tokenizer([template.render(c.claim, tokenizer) for c in chunk])["input_ids"]
+        shared = shared_prefix(ids, head)
+        shared = shared if shared >= MIN_PREFIX_TOKENS else 0
+        shared_per_task.append(shared)
+        if shared:
+            keys.add(tuple(ids[0][:shared]))
+        ordered = sorted(len(i) for i in ids)
+        lengths += ordered
+        for start in range(0, len(ordered), rows_per_pass):
+            part = ordered[start : start + rows_per_pass]
+            run_without += len(part) * part[-1]
+            run_with += len(part) * (part[-1] - shared)
+    low, high = min(shared_per_task), max(shared_per_task)
+    return {
+        "prompt_tokens": statistics.mean(lengths),
+        "head_tokens": len(head),
+        "prefix_tokens_min": low,
+        "prefix_tokens_max": high,
+        "prefix": str(low) if low == high else f"{low}-{high}",
+        "prefix_keys": len(keys),
+        "run_tokens_without": run_without / len(lengths),
+        "run_tokens_with": run_with / len(lengths),
+    }
+
+
+def run_round(
+    client: Client, template: PromptTemplate, chunks: list[list[Claim]], prefix: bool
+) -> dict[str, Any]:
+    """Score every chunk under ``template`` once; seconds, task seconds and the rows."""
+    with get_task_stream(client) as stream, h.Timer() as wall:
+        futures = [
+            dask_pcm.submit(
+                client,
+                score_unit,
+                template,
+                chunk,
+                "logits",
+                CONTEXT,  # score_unit's context; dask_pcm.submit's context= places the task
+                context=CONTEXT,
+                prefix_cache=prefix,
+                pure=False,
+            )
+            for chunk in chunks
+        ]
+        parts = client.gather(futures)
+    task_seconds = sum(
+        s["stop"] - s["start"]
+        for task in stream.data
+        for s in task["startstops"]
+        if s["action"] == "compute"
+    )
+    return {
+        "seconds": wall.seconds,
+        "task_seconds": task_seconds,
+        "rows": [row for part in parts for row in part],
+    }
+
+
+def warm_up(
+    client: Client, template: PromptTemplate, chunks: list[list[Claim]], workers: list[str]
+) -> None:
+    """Untimed: every chunk with prefix reuse on every worker (fills each worker's prefix
+    cache with every prefix the rounds use), then one round without."""
+    futures = [
+        dask_pcm.submit(
+            client,
+            score_unit,
+            template,
+            chunk,
+            "logits",
+            CONTEXT,
+            context=CONTEXT,
+            prefix_cache=True,
+            workers=[worker],
+            pure=False,
+        )
+        for worker in workers
+        for chunk in chunks
+    ]
+    client.gather(futures)
+    run_round(client, template, chunks, prefix=False)
+
+
+def compare(rows: list[dict[str, Any]], expected: list[dict[str, Any]]) -> tuple[int, float]:
+    """Changed labels and the largest absolute score difference of ``rows`` from ``expected``."""
+    changed, diff = 0, 0.0
+    for got, want in zip(rows, expected, strict=True):
+        if got["claim_id"] != want["claim_id"]:
+            raise RuntimeError(f"rows out of order: {got['claim_id']} != {want['claim_id']}")
+        changed += got["predicted"] != want["predicted"]
+        for key, value in want.items():
+            if key.startswith("score_"):
+                diff = max(diff, abs(got[key] - value))
+    return changed, diff
+
+
+def run_template(
+    client: Client,
+    template: PromptTemplate,
+    chunks: list[list[Claim]],
+    repeats: int,
+    workers: list[str],
+) -> dict[str, Any]:
+    """Warm-up, then ``repeats`` pairs of rounds with and without prefix reuse."""
+    n = sum(len(c) for c in chunks)
+    warm_up(client, template, chunks, workers)
+    pairs: list[dict[str, Any]] = []
+    expected: list[dict[str, Any]] | None = None
+    changed, diff = 0, 0.0
+    for rep in range(repeats):
+        order = MODES if rep % 2 == 0 else MODES[::-1]
+        result = {}
+        for mode in order:
+            result[mode] = run_round(client, template, chunks, prefix=mode == "with")
+        for mode in MODES[::-1]:  # the first round without is the reference
+            rows = result[mode].pop("rows")
+            if expected is None:
+                expected = rows
+            c, d = compare(rows, expected)
+            changed, diff = changed + c, max(diff, d)
+        w, wo = result["with"], result["without"]
+        pairs.append(
+            {
+                "template": template.name,
+                "repeat": rep,
+                "first": order[0],
+                "seconds_with": w["seconds"],
+                "seconds_without": wo["seconds"],
+                "task_seconds_with": w["task_seconds"],
+                "task_seconds_without": wo["task_seconds"],
+                "claims_per_second_with": n / w["seconds"],
+                "claims_per_second_without": n / wo["seconds"],
+                "ratio": wo["seconds"] / w["seconds"],
+                "task_ratio": wo["task_seconds"] / w["task_seconds"],
+                "load_average": os.getloadavg()[0],
+            }
+        )
+        p = pairs[-1]
+        print(
+            f"  {template.name}, repetition {rep} ({order[0]} first): with "
+            f"{p['seconds_with']:.2f} s, without {p['seconds_without']:.2f} s, ratio "
+            f"{p['ratio']:.2f}; load average {p['load_average']:.2f}",
+            flush=True,
+        )
+    # The one-time cost: a pass over the prefix, on every worker.
+    futures = [
+        dask_pcm.submit(
+            client,
+            prefix_seconds,
+            template,
+            chunks[0],
+            context=CONTEXT,
+            workers=[worker],
+            pure=False,
+        )
+        for worker in workers
+    ]
+    prefix_ms = 1000 * statistics.mean(client.gather(futures))
+    with_cps = statistics.median(p["claims_per_second_with"] for p in pairs)
+    without_cps = statistics.median(p["claims_per_second_without"] for p in pairs)
+    ratios = [p["ratio"] for p in pairs]
+    return {
+        "template": template.name,
+        "claims_per_second_with": with_cps,
+        "claims_per_second_without": without_cps,
+        "ratio": with_cps / without_cps,
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
+        "ratios": ratios,
+        "task_ratio": statistics.median(p["task_seconds_without"] for p in pairs)
+        / statistics.median(p["task_seconds_with"] for p in pairs),
+        "changed_labels": changed,
+        "max_score_diff": diff,
+        "prefix_ms": prefix_ms,
+        "pairs": pairs,
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for package in ("torch", "transformers", "distributed"):
+        try:
+            found[f"{package}_version"] = version(package)
+        except PackageNotFoundError:
+            found[f"{package}_version"] = None
+    return found
+
+
+def _explain(row: dict[str, Any]) -> str:
+    """Where the time goes for a template that missed its target."""
+    tokens = row["run_tokens_without"] / max(row["run_tokens_with"], 1e-9)
+    text = (
+        f"  {row['template']}: {row['run_tokens_without']:.1f} token positions run per claim "
+        f"without, {row['run_tokens_with']:.1f} with ({tokens:.2f}x fewer); the tasks' "
+        f"compute time without / with {row['task_ratio']:.2f}, claims/s with / without "
+        f"{row['ratio']:.2f}."
+    )
+    if tokens < row["target"]:
+        text += " Fewer tokens cannot reach the target: too few of a prompt's tokens are shared."
+    elif row["task_ratio"] < row["target"]:
+        text += (
+            " The tasks' compute shrinks less than the tokens: costs per pass and per task "
+            "that do not scale with the tokens run."
+        )
+    else:
+        text += " The tasks' compute meets it: the rest is the rounds' overhead and tail."
+    return text
+
+
+def main() -> None:
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    p = h.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--claims", type=int, help="claims per round (default 64, --quick 32)")
+    p.add_argument("--claims-per-task", type=int, default=16, help="claims per task (default 16)")
+    p.add_argument("--repeats", type=int, default=3, help="pairs of rounds per template (3)")
+    p.add_argument(
+        "--templates",
+        help=f"comma-separated built-in templates (default all; --quick {QUICK_TEMPLATES})",
+    )
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    n = args.claims or (32 if args.quick else 64)
+    spec = args.templates or (QUICK_TEMPLATES if args.quick else None)
+    templates = get_templates(spec)
+
+    model = h.model_path(args)
+    claims = h.load_claims(args.data, n)
+    chunks = h.batches(claims, args.claims_per_task)
+    tokenizer = load_tokenizer(model)
+    print(
+        f"{n} claims in {len(chunks)} tasks of {args.claims_per_task}, {len(templates)} "
+        f"templates, {args.repeats} repetitions, {args.workers} workers x 1 thread, model "
+        f"{model}; load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+
+    rows: list[dict[str, Any]] = []
+    with h.Timer() as total, h.warm_cluster(model, args.workers) as client:
+        dask_pcm.register(client, dask_pcm.causal_lm(model, name=CONTEXT), level="full")
+        workers = list(client.scheduler_info()["workers"])
+        info = client.gather(
+            [
+                dask_pcm.submit(client, worker_model, context=CONTEXT, workers=[w], pure=False)
+                for w in workers
+            ]
+        )
+        if any(i["prefix_cache_limit"] is None for i in info):
+            sys.exit("pcm.worker.prefix-cache is off on the workers: nothing to measure")
+        rows_per_pass = info[0]["batch_size"]
+        for template in templates:
+            counts = token_counts(tokenizer, template, chunks, rows_per_pass)
+            rows.append({**counts, **run_template(client, template, chunks, args.repeats, workers)})
+        after = client.gather(
+            [
+                dask_pcm.submit(client, worker_model, context=CONTEXT, workers=[w], pure=False)
+                for w in workers
+            ]
+        )
+        loads = int(dask_pcm.status(client, [CONTEXT])["loads"].sum())
+    if loads != len(workers):
+        raise RuntimeError(f"the resident model was loaded {loads} times, not once per worker")
+
+    run = uuid.uuid4().hex[:8]  # one id for the rows of one invocation
+    settings = {
+        "run": run,
+        "started": started,
+        "claims": n,
+        "claims_per_task": args.claims_per_task,
+        "repeats": args.repeats,
+        "workers": args.workers,
+        "rows_per_pass": rows_per_pass,
+        "model": model,
+        **_versions(),
+    }
+    for row in rows:
+        target = TARGETS.get(row["template"])
+        row["target"] = target
+        row["target_met"] = None if target is None else row["ratio"] >= target
+        row["target_text"] = (
+            "-" if target is None else f">={target:g} {'met' if row['target_met'] else 'MISSED'}"
+        )
+        row["same_text"] = "yes" if row["changed_labels"] == 0 else f"NO ({row['changed_labels']})"
+        row.update(settings)
+    print()
+    h.print_table(rows, COLUMNS)
+    print()
+    h.print_table([pair for row in rows for pair in row["pairs"]], PAIR_COLUMNS)
+    print()
+    for row in rows:
+        if row["target"] is not None:
+            print(
+                f"target {row['template']}: {row['ratio']:.2f}x (repetitions "
+                f"{row['ratio_range']}) against >= {row['target']:g}x: "
+                f"{'met' if row['target_met'] else 'MISSED'}"
+            )
+    missed = [row for row in rows if row["target_met"] is False]
+    if missed:
+        print("where the time goes:")
+        for row in missed:
+            print(_explain(row))
+    print(
+        "prefix cache per worker at the end: "
+        + ", ".join(
+            f"{i['prefix_entries']} entries, {i['prefix_cache_bytes'] / 1e6:.1f} MB" for i in after
+        )
+        + f"; {total.seconds:.0f} s in all"
+    )
+    changed = {row["template"]: row["changed_labels"] for row in rows if row["changed_labels"]}
+    if not changed:
+        print(f"identical predictions with and without prefix reuse in all {len(rows)} templates")
+    h.write_json(args.json, rows)
+    plot = [
+        {
+            "template": row["template"],
+            "mode": f"{mode} prefix reuse",
+            "claims_per_second": row[f"claims_per_second_{mode}"],
+        }
+        for row in rows
+        for mode in MODES[::-1]
+    ]
+    h.plot_bars(
+        args.json,
+        plot,
+        "template",
+        "claims_per_second",
+        group="mode",
+        title=f"{n} FEVER claims per round, tasks of {args.claims_per_task}, {args.workers} "
+        f"workers, median of {args.repeats}",
+        ylabel="claims/s (higher is better)",
+    )
+    if changed:
+        sys.exit(f"predictions differ with prefix reuse: changed labels per template {changed}")
+
+
+if __name__ == "__main__":
+    main()
