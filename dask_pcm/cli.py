@@ -140,6 +140,12 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
 @click.option(
     "--batch-size", type=click.IntRange(min=1), hidden=True, help="Old name of --claims-per-task."
 )
+@click.option(
+    "--prefix-cache/--no-prefix-cache",
+    default=None,
+    help="Keep each template's text before the claim as key/value states on the workers "
+    "(default: on; the same predictions, faster).",
+)
 @click.option("--limit", type=int, default=None, help="Score a stratified sample of N claims.")
 @click.option(
     "--method", type=click.Choice(METHODS), default=None, help="Scoring (default logits)."

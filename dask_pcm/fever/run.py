@@ -50,7 +50,10 @@ class FeverResult:
     ----------
     summary
         One row per template, best first: ``template, accuracy, n, macro_f1``, the recall of
-        each label (``recall_SUPPORTS``...) and ``unparseable``.
+        each label (``recall_SUPPORTS``...), ``unparseable``, then ``accuracy_ci_low`` and
+        ``accuracy_ci_high`` (Wilson 95 %), ``calibrated_accuracy`` and
+        ``calibrated_macro_f1`` (label bias removed), ``p_vs_best`` (exact McNemar against
+        the first row); see :mod:`dask_pcm.fever.ranking`.
     predictions
         One row per claim and template: ``claim_id, template, label, predicted``, the
         scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
@@ -85,6 +88,7 @@ def run_fever(
     workers: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    prefix_cache: bool = True,
     batch_size: int | None = None,
 ) -> FeverResult:
     """Score FEVER claims under several prompt templates and rank the templates.
@@ -130,6 +134,12 @@ def run_fever(
     progress : bool
         A progress bar of units (tqdm), and, when ``run_fever`` starts the cluster itself,
         the addresses of Dask's dashboard and of the contexts page on standard error.
+    prefix_cache : bool
+        Keep each template's text before the claim as key/value states on every worker
+        (``pcm.worker.prefix-cache``) and run only the claims' tokens (method ``logits``):
+        the same predictions, several times faster for long templates. ``False`` runs whole
+        prompts, for comparison. Not part of the output folder's provenance: either way the
+        predictions are the same.
     batch_size : int, optional
         Old name of ``claims_per_task`` (deprecated).
 
@@ -180,7 +190,8 @@ def run_fever(
         try:
             pcm.register(client, context, level=level)
             before = _tasks_by_worker(client)
-            rows = _compute(client, todo, method, store, recorded["model_digest"], progress)
+            digest = recorded["model_digest"]
+            rows = _compute(client, todo, method, store, digest, progress, prefix_cache)
             after = pcm.status(client, [CONTEXT])
         finally:
             if owned:
@@ -251,6 +262,7 @@ def _compute(
     store: OutputStore | None,
     model_digest: str,
     progress: bool,
+    prefix_cache: bool,
 ) -> list[dict[str, Any]]:
     def submit(i: int, u: Unit) -> Any:
         return pcm.submit(
@@ -259,6 +271,7 @@ def _compute(
             u.template,
             list(u.claims),
             method,
+            prefix_cache=prefix_cache,
             context=CONTEXT,
             key=f"fever-{u.name}-{os.urandom(4).hex()}",
             priority=-i,

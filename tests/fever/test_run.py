@@ -42,6 +42,25 @@ def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_
     assert dask_pcm.registered_contexts(client) == [CONTEXT]
 
 
+def test_prefix_states_change_nothing_but_the_work_and_show_in_status(client, tiny_model_dir):
+    options = {"model": tiny_model_dir, "cluster": client, "progress": False}
+    options.update(templates=["few-shot", "chat-few-shot", "direct"], claims_per_task=5)
+    whole = run_fever(prefix_cache=False, **options).predictions
+    table = dask_pcm.status(client, [CONTEXT])
+    assert set(table["prefix_cache_bytes"]) == {0}  # nothing kept without it
+    kept = run_fever(prefix_cache=True, **options).predictions
+    key = ["template", "claim_id"]
+    whole, kept = (
+        whole.sort_values(key, ignore_index=True),
+        kept.sort_values(key, ignore_index=True),
+    )
+    assert kept["predicted"].tolist() == whole["predicted"].tolist()
+    scores = [c for c in whole.columns if c.startswith("score_")]
+    assert (kept[scores] - whole[scores]).abs().max().max() < 1e-4
+    table = dask_pcm.status(client, [CONTEXT])
+    assert (table["prefix_cache_bytes"] > 0).all()  # each worker keeps its templates' prefixes
+
+
 def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
     out = tmp_path / "preds.parquet"
     first = run_fever(
