@@ -123,15 +123,15 @@ LOST: dict[str, int] = {}  # tries per unit, shared with the in-process workers
 GONE = SimpleNamespace(address="tcp://10.0.0.1:1")  # the last worker that "died"
 
 
-def _unlucky(template, claims, method):
+def _unlucky(template, claims, method, **options):
     """The first two tries of every unit lose their workers, then it is scored."""
     LOST[claims[0].id] = LOST.get(claims[0].id, 0) + 1
     if LOST[claims[0].id] <= 2:
         raise KilledWorker(f"fever-{claims[0].id}", GONE, 3)
-    return score_unit(template, claims, method)  # the real one, from dask_pcm.fever.run
+    return score_unit(template, claims, method, **options)  # the real one
 
 
-def _hopeless(template, claims, method):
+def _hopeless(template, claims, method, **options):
     raise KilledWorker("fever-x", GONE, 3)
 
 
