@@ -36,6 +36,7 @@ SCRIPTS = {
     "scale_out": "scale_out.py",  # RQ4: workers joining at once, peer to peer
     "peers": "peers.py",  # dask_pcm against Ray Data and plain Dask
     "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
+    "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
 }
 
 COLUMNS = [
