@@ -198,25 +198,30 @@ def token_counts(
     }
 
 
+def _score(
+    client: Client, template: PromptTemplate, chunk: list[Claim], prefix: bool, **options: Any
+) -> Any:
+    """One FEVER task (``score_unit``) as a FEVER run sends it."""
+    return dask_pcm.submit(
+        client,
+        score_unit,
+        template,
+        chunk,
+        "logits",
+        CONTEXT,  # score_unit's context; dask_pcm.submit's context= places the task
+        context=CONTEXT,
+        prefix_cache=prefix,
+        pure=False,
+        **options,
+    )
+
+
 def run_round(
     client: Client, template: PromptTemplate, chunks: list[list[Claim]], prefix: bool
 ) -> dict[str, Any]:
     """Score every chunk under ``template`` once; seconds, task seconds and the rows."""
     with get_task_stream(client) as stream, h.Timer() as wall:
-        futures = [
-            dask_pcm.submit(
-                client,
-                score_unit,
-                template,
-                chunk,
-                "logits",
-                CONTEXT,  # score_unit's context; dask_pcm.submit's context= places the task
-                context=CONTEXT,
-                prefix_cache=prefix,
-                pure=False,
-            )
-            for chunk in chunks
-        ]
+        futures = [_score(client, template, chunk, prefix) for chunk in chunks]
         parts = client.gather(futures)
     task_seconds = sum(
         s["stop"] - s["start"]
@@ -237,18 +242,7 @@ def warm_up(
     """Untimed: every chunk with prefix reuse on every worker (fills each worker's prefix
     cache with every prefix the rounds use), then one round without."""
     futures = [
-        dask_pcm.submit(
-            client,
-            score_unit,
-            template,
-            chunk,
-            "logits",
-            CONTEXT,
-            context=CONTEXT,
-            prefix_cache=True,
-            workers=[worker],
-            pure=False,
-        )
+        _score(client, template, chunk, True, workers=[worker])
         for worker in workers
         for chunk in chunks
     ]

@@ -8,6 +8,7 @@ use a GPU that is plainly there can say so.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -18,8 +19,10 @@ VISIBLE = "CUDA_VISIBLE_DEVICES"
 _PROC = Path("/proc/driver/nvidia")
 
 
+@functools.cache
 def installed_gpus(proc: Path = _PROC) -> int:
-    """NVIDIA GPUs the driver lists on this host (0 without a driver)."""
+    """NVIDIA GPUs the driver lists on this host (0 without a driver); asked once per
+    process (a load per task at levels partial and agnostic asks again)."""
     gpus = proc / "gpus"
     try:
         listed = len([p for p in gpus.iterdir() if p.is_dir()])

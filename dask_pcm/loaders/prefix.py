@@ -14,6 +14,7 @@ kept, so that a forward pass runs only each prompt's own tokens.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -100,7 +101,12 @@ class PrefixCache:
 def _cache_argument(model: Any) -> str:
     """What the model's forward calls its key/value cache: ``cache`` from transformers 5.x
     on, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
-    parameters = inspect.signature(type(model).forward).parameters
+    return _cache_argument_of(type(model).forward)
+
+
+@functools.cache
+def _cache_argument_of(forward: Any) -> str:
+    parameters = inspect.signature(forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
 

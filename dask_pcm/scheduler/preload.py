@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dask.config
+
 from dask_pcm.scheduler.bokeh_page import add_to_dashboard
 from dask_pcm.scheduler.plugin import ContextScheduler
 
@@ -32,8 +34,6 @@ async def dask_setup(scheduler: Any) -> None:
 def with_preload(preload: Any) -> list[str]:
     """``preload`` (a scheduler's ``preload`` argument: ``None``, a name or a list) with this
     module added; ``None`` stands for ``distributed.scheduler.preload`` from the config."""
-    import dask.config
-
     if preload is None:
         preload = dask.config.get("distributed.scheduler.preload") or []
     names = [preload] if isinstance(preload, str) else list(preload)
