@@ -82,6 +82,16 @@ def prefix_cache_bytes() -> int:
     return 0 if not value else int(dask.utils.parse_bytes(value))
 
 
+def fever_flush_interval() -> float:
+    """``pcm.fever.flush-interval`` in seconds."""
+    return _seconds(get("fever.flush-interval"))
+
+
+def fever_task_seconds() -> float:
+    """``pcm.fever.task-seconds`` in seconds."""
+    return _seconds(get("fever.task-seconds"))
+
+
 def release_timeout() -> float:
     """``pcm.worker.release-timeout`` in seconds."""
     return _seconds(get("worker.release-timeout"))

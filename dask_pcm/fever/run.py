@@ -1,11 +1,14 @@
 """``run_fever``: which prompt template makes a language model the best fact checker?
 
-The work is a grid of *units*, one per (template, batch of claims). Each unit is one task that
-uses the resident model context (:func:`dask_pcm.get_context`) and returns one prediction row
-per claim. With ``output=`` every finished unit is written at once as its own Parquet file in
-the output folder (:mod:`dask_pcm.fever.store`: locked for the run, atomic parts, resume keyed
-on what determines a prediction), so a run that is killed keeps what it finished, a rerun
-computes only the missing units, and no row is written twice."""
+The work is a grid of *units*, one per (template, batch of ``claims_per_task`` claims); each
+returns one prediction row per claim, computed by the resident model context
+(:func:`dask_pcm.get_context`). :mod:`dask_pcm.fever.dispatch` packs units into tasks and
+sends them in waves; with ``output=`` every finished unit is appended to the output folder
+(:mod:`dask_pcm.fever.store`: locked for the run, a few hundred Parquet segments however many
+units, resume keyed on what determines a prediction), so a run that is killed keeps what it
+finished, a rerun computes only the missing units (and starts no cluster when none are), and
+no row is written twice. The summary is computed from the output folder.
+"""
 
 from __future__ import annotations
 
@@ -15,34 +18,30 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distributed import Client, as_completed
-from distributed.scheduler import KilledWorker
+from distributed import Client
 
 from dask_pcm import client as pcm
 from dask_pcm import config
 from dask_pcm.context import causal_lm
 from dask_pcm.deploy.batch import KINDS, batch_cluster
 from dask_pcm.deploy.local import local_cluster
-from dask_pcm.fever.data import (
-    demo_claims,
-    load_claims,
-    sample_claims,
-)
+from dask_pcm.fever.data import LABELS, demo_claims, load_claims, sample_claims
+from dask_pcm.fever.dispatch import Dispatch
 from dask_pcm.fever.scoring import check_method
-from dask_pcm.fever.store import OutputStore
+from dask_pcm.fever.store import OutputStore, read_predictions
 from dask_pcm.fever.templates import get_templates
-from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance, score_unit
+from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance
 
 if TYPE_CHECKING:
     import pandas as pd
+    import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class FeverResult:
     """What :func:`run_fever` returns.
 
@@ -58,15 +57,49 @@ class FeverResult:
         One row per claim and template: ``claim_id, template, label, predicted``, the
         scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
         ``model_digest`` (the model's content digest,
-        :func:`~dask_pcm.fever.units.model_digest`).
+        :func:`~dask_pcm.fever.units.model_digest`), by template in the run's order. With
+        ``output``, read from that folder when first used (a run of millions of rows
+        keeps none of them in memory until asked).
     report
-        ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``workers``
-        (per worker: context loads, load seconds and the context tasks it ran in this run).
+        ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``tasks``
+        (submitted), ``files`` (segments in ``output``), ``claims``, ``skipped_lines`` and
+        ``workers`` (per worker: context loads, load seconds and the context tasks it ran in
+        this run; empty when nothing was left to compute).
+    output
+        The output folder, or ``None``.
     """
 
-    summary: pd.DataFrame
-    predictions: pd.DataFrame
-    report: dict[str, Any] = field(default_factory=dict)
+    def __init__(
+        self,
+        summary: pd.DataFrame,
+        predictions: pd.DataFrame | None,
+        report: dict[str, Any] | None = None,
+        output: str | os.PathLike[str] | None = None,
+        templates: list[str] | None = None,
+    ) -> None:
+        if predictions is None and output is None:
+            raise ValueError("FeverResult needs predictions or an output folder")
+        self.summary = summary
+        self.report = report or {}
+        self.output = Path(output) if output is not None else None
+        self._predictions = predictions
+        self._templates = templates
+
+    @property
+    def predictions(self) -> pd.DataFrame:
+        if self._predictions is None:
+            assert self.output is not None
+            self._predictions = _in_order(
+                read_predictions(self.output, self._templates), self._templates
+            )
+        return self._predictions
+
+    def __repr__(self) -> str:
+        best = self.summary.iloc[0] if len(self.summary) else None
+        lead = (
+            f"best {best['template']!r} ({best['accuracy']:.3f})" if best is not None else "empty"
+        )
+        return f"FeverResult({len(self.summary)} templates, {lead}, output={self.output})"
 
 
 #: Most worker jobs of a batch cluster that run_fever starts itself (``workers`` unset).
@@ -173,54 +206,50 @@ def run_fever(
     context = causal_lm(model, name=CONTEXT)
     recorded = provenance(context, claims, chosen, method, claims_per_task)
 
+    names = [t.name for t in chosen]
     start = time.perf_counter()
+    tables: list[pa.Table] = []
     with contextlib.ExitStack() as stack:
         store = stack.enter_context(OutputStore(output, recorded)) if output else None
-        done = store.done({u.name: len(u.claims) for u in units}) if store else set()
+        done = store.done() if store else set()
         todo = [u for u in units if u.name not in done]
-        client, owned = _client(cluster, workers)
-        if owned and progress:
-            # Where to watch: the cluster is ours, so the user has no other way to know.
-            print(
-                f"Dask dashboard: {client.dashboard_link}\n"
-                f"Contexts:       {pcm.status_page(client)}",
-                file=sys.stderr,
-                flush=True,
-            )
-        try:
-            pcm.register(client, context, level=level)
-            before = _tasks_by_worker(client)
-            digest = recorded["model_digest"]
-            rows = _compute(client, todo, method, store, digest, progress, prefix_cache)
-            after = pcm.status(client, [CONTEXT])
-        finally:
-            if owned:
-                cluster_obj = client.cluster
-                client.close()
-                if cluster_obj is not None:
-                    cluster_obj.close()
-        if store:
-            rows = store.read([u.name for u in units])
-    import pandas as pd
+        digest = recorded["model_digest"]
 
-    predictions = pd.DataFrame(rows)
+        def finished(name: str, table: pa.Table) -> None:
+            table = _with_digest(table, digest)
+            if store:
+                store.add(name, table)
+            else:
+                tables.append(table)
+
+        # A resume with nothing left to compute starts no cluster and loads no model.
+        workers_report, tasks = (
+            _compute(
+                cluster, workers, context, level, todo, method, prefix_cache, finished, progress
+            )
+            if todo
+            else ([], 0)
+        )
     report = {
         "wall_seconds": time.perf_counter() - start,
         "units": {"total": len(units), "computed": len(todo), "reused": len(units) - len(todo)},
+        "tasks": tasks,
+        "files": store.files if store else 0,
         "claims": len(claims),
         "skipped_lines": claims.skipped,
-        "workers": [
-            {
-                "worker": r.worker,
-                "context": r.context,
-                "loads": int(r.loads),
-                "load_seconds": float(r.load_seconds),
-                "tasks": int(r.tasks) - before.get(r.worker, 0),
-            }
-            for r in after.itertuples()
-        ],
+        "workers": workers_report,
     }
-    return FeverResult(summarize(predictions), predictions, report)
+    if output is not None:
+        # The summary reads only the columns it needs, from the folder: the run kept no rows.
+        columns = ["template", "claim_id", "label", "predicted"]
+        if method == "logits":
+            columns += [f"score_{label}" for label in LABELS]
+        predictions = None
+        summary = summarize(read_predictions(output, names, columns))
+    else:
+        predictions = _in_order(_to_pandas(tables), names)
+        summary = summarize(predictions)
+    return FeverResult(summary, predictions, report, output=output, templates=names)
 
 
 def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
@@ -250,71 +279,82 @@ def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
     raise TypeError(f"cluster must be None, a distributed.Client or a cluster, got {cluster!r}")
 
 
+def _compute(
+    cluster: Any,
+    workers: int | None,
+    context: Any,
+    level: str,
+    todo: list[Unit],
+    method: str,
+    prefix_cache: bool,
+    finished: Any,
+    progress: bool,
+) -> tuple[list[dict[str, Any]], int]:
+    """Register the model on the cluster and score ``todo``; returns the report's per-worker
+    rows and the number of tasks submitted."""
+    client, owned = _client(cluster, workers)
+    if owned and progress:
+        # Where to watch: the cluster is ours, so the user has no other way to know.
+        print(
+            f"Dask dashboard: {client.dashboard_link}\nContexts:       {pcm.status_page(client)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    bar = _progress_bar(len(todo), progress)
+    try:
+        pcm.register(client, context, level=level)
+        before = _tasks_by_worker(client)
+        options = {"method": method, "prefix_cache": prefix_cache}
+        dispatch = Dispatch(client, todo, options, finished, bar.update)
+        dispatch.run()
+        after = pcm.status(client, [CONTEXT])
+    finally:
+        bar.close()
+        if owned:
+            cluster_obj = client.cluster
+            client.close()
+            if cluster_obj is not None:
+                cluster_obj.close()
+    rows = [
+        {
+            "worker": r.worker,
+            "context": r.context,
+            "loads": int(r.loads),
+            "load_seconds": float(r.load_seconds),
+            "tasks": int(r.tasks) - before.get(r.worker, 0),
+        }
+        for r in after.itertuples()
+    ]
+    return rows, dispatch.tasks
+
+
 def _tasks_by_worker(client: Client) -> dict[str, int]:
     table = pcm.status(client, [CONTEXT])
     return {r.worker: int(r.tasks) for r in table.itertuples()}
 
 
-def _compute(
-    client: Client,
-    todo: list[Unit],
-    method: str,
-    store: OutputStore | None,
-    model_digest: str,
-    progress: bool,
-    prefix_cache: bool,
-) -> list[dict[str, Any]]:
-    def submit(i: int, u: Unit) -> Any:
-        return pcm.submit(
-            client,
-            score_unit,
-            u.template,
-            list(u.claims),
-            method,
-            prefix_cache=prefix_cache,
-            context=CONTEXT,
-            key=f"fever-{u.name}-{os.urandom(4).hex()}",
-            priority=-i,
-            pure=False,
-        )
+def _with_digest(table: pa.Table, digest: str) -> pa.Table:
+    import pyarrow as pa
 
-    futures = {submit(i, u): (i, u) for i, u in enumerate(todo)}
-    resubmitted: dict[str, int] = {}
-    bar = _progress_bar(len(todo), progress)
-    rows: list[dict[str, Any]] = []
-    try:
-        queue = as_completed(futures, with_results=True, raise_errors=False)
-        for future, result in queue:
-            i, unit = futures.pop(future)
-            if future.status == "error":
-                result = future.exception()
-                # Workers preempted while running the same unit, distributed's
-                # allowed-failures times over: on an opportunistic cluster that is bad
-                # luck more often than a unit that kills workers, so try it again a few
-                # times before giving up.
-                if isinstance(result, KilledWorker) and resubmitted.get(unit.name, 0) < 2:
-                    resubmitted[unit.name] = resubmitted.get(unit.name, 0) + 1
-                    logger.warning(
-                        "Unit %s lost with its workers (%s); submitting it again", unit.name, result
-                    )
-                    again = submit(i, unit)
-                    futures[again] = (i, unit)
-                    queue.add(again)
-                    continue
-                raise result
-            for row in result:
-                row["model_digest"] = model_digest
-            if store:
-                store.write(unit.name, result)
-            else:
-                rows.extend(result)
-            bar.update(1)
-    except BaseException:
-        client.cancel(list(futures))
-        raise
-    finally:
-        bar.close()
-    return rows
+    return table.append_column("model_digest", pa.array([digest] * table.num_rows, pa.string()))
+
+
+def _to_pandas(tables: list[pa.Table]) -> pd.DataFrame:
+    import pandas as pd
+    import pyarrow as pa
+
+    if not tables:
+        return pd.DataFrame(columns=["claim_id", "template", "label", "predicted"])
+    return pa.concat_tables(tables, promote_options="default").to_pandas()
+
+
+def _in_order(predictions: pd.DataFrame, templates: list[str] | None) -> pd.DataFrame:
+    """``predictions`` by template in the run's order (rows of one template as they came)."""
+    if not templates or predictions.empty:
+        return predictions.reset_index(drop=True)
+    position = {name: i for i, name in enumerate(templates)}
+    order = predictions["template"].map(position)
+    return predictions.iloc[order.argsort(kind="stable")].reset_index(drop=True)
 
 
 class _NoBar:

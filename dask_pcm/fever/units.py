@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,31 @@ def score_unit(
         {"claim_id": c.id, "template": template.name, "label": c.label, **row}
         for c, row in zip(claims, scored, strict=True)
     ]
+
+
+def score_units(
+    template: PromptTemplate,
+    units: Sequence[tuple[str, Sequence[Claim]]],
+    method: str,
+    context: str = CONTEXT,
+    prefix_cache: bool = True,
+) -> dict[str, Any]:
+    """The task run_fever submits: several units (name, claims) of one template, scored one
+    after the other by :func:`score_unit`.
+
+    Returns ``units``, a list of (name, Arrow table of its rows): compact to send, cheap for
+    Dask to size, and appended to the output as they are; and ``seconds``, the scoring time,
+    from which the client sizes the next tasks.
+    """
+    import pyarrow as pa
+
+    start = time.perf_counter()
+    options = {"context": context, "prefix_cache": prefix_cache}
+    scored = [
+        (name, pa.Table.from_pylist(score_unit(template, claims, method, **options)))
+        for name, claims in units
+    ]
+    return {"units": scored, "seconds": time.perf_counter() - start}
 
 
 _MARK = "\x00claim\x00"

@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import dask
 import pandas as pd
 import pytest
 
 from dask_pcm.exceptions import FeverFormatError, OutputFolderError
 from dask_pcm.fever.run import run_fever
+from dask_pcm.fever.segments import INDEX
 from dask_pcm.fever.store import LOCK
 from dask_pcm.fever.units import model_digest
 
@@ -69,24 +71,81 @@ def test_a_changed_template_refuses_to_resume_and_names_it(client, model, tmp_pa
         _run(client, model, out, templates=str(mine), limit=6)
 
 
-def test_a_zero_byte_part_is_set_aside_and_its_unit_computed_again(client, model, tmp_path, caplog):
+def test_a_zero_byte_segment_is_set_aside_and_its_units_computed_again(
+    client, model, tmp_path, caplog
+):
     out = tmp_path / "preds.parquet"
-    _run(client, model, out)
-    part = sorted(out.glob("*.parquet"))[0]
-    part.write_bytes(b"")  # a crash or a full disk
-    with caplog.at_level(logging.WARNING, logger="dask_pcm"):
-        again = _run(client, model, out)
-    assert again.report["units"] == {"total": 6, "computed": 1, "reused": 5}
+    with dask.config.set({"pcm.fever.segment-rows": 20}):  # 2 units of 10 rows per segment
+        _run(client, model, out)
+        part = sorted(out.glob("*.parquet"))[0]
+        part.write_bytes(b"")  # a crash or a full disk
+        with caplog.at_level(logging.WARNING, logger="dask_pcm"):
+            again = _run(client, model, out)
+    assert again.report["units"] == {"total": 6, "computed": 2, "reused": 4}
     assert any(part.name in r.getMessage() for r in caplog.records)
     assert [p.name for p in out.glob(f".{part.name}.unreadable-*")]  # kept, out of the way
     table = pd.read_parquet(out)
     assert len(table) == 60 and not table.duplicated(["claim_id", "template"]).any()
 
 
+def test_a_segment_written_but_not_indexed_counts_as_done(client, model, tmp_path):
+    """A run killed between renaming a segment into place and indexing it: the segment's
+    footer says which units it holds; none is computed again, no row is doubled."""
+    out = tmp_path / "preds.parquet"
+    with dask.config.set({"pcm.fever.segment-rows": 20}):
+        _run(client, model, out)
+        index = out / INDEX
+        lines = index.read_text().splitlines()
+        index.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:15])  # half a last line
+        again = _run(client, model, out)
+    assert again.report["units"] == {"total": 6, "computed": 0, "reused": 6}
+    assert len(pd.read_parquet(out)) == 60
+    assert len(index.read_text().splitlines()) == 3  # rewritten whole, one line per segment
+
+
+def test_a_missing_segment_is_computed_again(client, model, tmp_path, caplog):
+    out = tmp_path / "preds.parquet"
+    with dask.config.set({"pcm.fever.segment-rows": 20}):
+        _run(client, model, out)
+        sorted(out.glob("*.parquet"))[-1].unlink()
+        with caplog.at_level(logging.WARNING, logger="dask_pcm"):
+            again = _run(client, model, out)
+    assert again.report["units"] == {"total": 6, "computed": 2, "reused": 4}
+    assert any("is missing" in r.getMessage() for r in caplog.records)
+    assert len(pd.read_parquet(out)) == 60
+
+
+def test_units_go_into_a_bounded_number_of_files(client, model, tmp_path):
+    """One file per unit was the old layout: 60 units wrote 60 files."""
+    out = tmp_path / "preds.parquet"
+    with dask.config.set({"pcm.fever.tasks-in-flight": 2}):
+        result = _run(client, model, out, claims_per_task=1)
+    assert result.report["units"]["total"] == 60
+    assert result.report["files"] == 1 and len(list(out.glob("*.parquet"))) == 1
+    assert result.report["tasks"] < 60  # units are packed into tasks
+    assert len(pd.read_parquet(out)) == 60
+
+
+def test_a_resume_with_nothing_left_starts_no_cluster(model, tmp_path, monkeypatch, client):
+    import dask_pcm.fever.run as run_module
+
+    out = tmp_path / "preds.parquet"
+    first = _run(client, model, out)
+
+    def no_cluster(*args, **kwargs):
+        raise AssertionError("a cluster was started with nothing to compute")
+
+    monkeypatch.setattr(run_module, "_client", no_cluster)
+    again = run_fever(model=model, output=out, num_templates=2, claims_per_task=10, progress=False)
+    assert again.report["units"] == {"total": 6, "computed": 0, "reused": 6}
+    assert again.report["workers"] == [] and again.report["tasks"] == 0
+    assert again.summary.equals(first.summary)
+
+
 def test_temporary_files_of_a_killed_run_are_removed(client, model, tmp_path):
     out = tmp_path / "preds.parquet"
     _run(client, model, out)
-    stale = out / ".direct--00000.parquet.4242.0123abcd.tmp"  # what a killed run leaves
+    stale = out / ".part-000000.parquet.4242.0123abcd.tmp"  # what a killed run leaves
     stale.write_bytes(b"half a parquet file")
     _run(client, model, out)
     assert not stale.exists()

@@ -1,0 +1,142 @@
+"""The segments of an output folder: Parquet files of finished units, and their index.
+
+A segment (``part-000012.parquet``) holds the rows of many units. Which units, and how many
+rows each, is written twice: in the file's own Parquet footer (key ``dask_pcm_units``), and
+as a line appended to the folder's index (``_dask_pcm_index.jsonl``) after the file is in
+place. A resume reads the index and one directory listing, and opens a segment's footer only
+when the listing and the index disagree about it (a run killed between renaming a segment
+and indexing it, a damaged file); it never opens every part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+INDEX = "_dask_pcm_index.jsonl"
+PATTERN = "part-*.parquet"
+#: The Parquet footer key listing a segment's units (JSON: unit name -> rows).
+UNITS_KEY = b"dask_pcm_units"
+
+
+@dataclass
+class Segment:
+    """One segment file: its name in the folder, its units (name -> rows) and its size."""
+
+    name: str
+    units: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(self.units.values())
+
+    def entry(self, units: Iterable[str] | None = None) -> dict[str, Any]:
+        """The index line for this segment, listing ``units`` (default: all of them)."""
+        listed = self.units if units is None else {u: self.units[u] for u in units}
+        return {"segment": self.name, "bytes": self.bytes, "units": listed}
+
+
+def segment_name(number: int) -> str:
+    return f"part-{number:06d}.parquet"
+
+
+def segment_number(name: str) -> int:
+    """The number in ``part-000012.parquet``; -1 for another name."""
+    digits = name.removeprefix("part-").removesuffix(".parquet")
+    return int(digits) if digits.isdigit() else -1
+
+
+def read_index(root: Path) -> tuple[dict[str, Segment], int]:
+    """The segments the index lists (lines of one segment merged, the last size winning),
+    and the number of lines read. A line that cannot be parsed (a run killed while
+    appending it) is skipped: the segment it described is checked against its footer."""
+    segments: dict[str, Segment] = {}
+    lines = 0
+    try:
+        text = (root / INDEX).read_text()
+    except FileNotFoundError:
+        return segments, 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        lines += 1
+        try:
+            entry = json.loads(line)
+            segment = segments.setdefault(entry["segment"], Segment(entry["segment"]))
+            segment.units.update({str(k): int(v) for k, v in entry["units"].items()})
+            segment.bytes = int(entry["bytes"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            logger.warning("%s line %d cannot be read (%s); skipped", root / INDEX, number, exc)
+    return segments, lines
+
+
+def read_footer(path: Path) -> Segment | None:
+    """The segment as its own footer describes it; ``None`` when the file is damaged (cannot
+    be read, lists no units, or holds another number of rows than its units add up to)."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        units = json.loads((meta.metadata or {})[UNITS_KEY])
+        segment = Segment(path.name, {str(k): int(v) for k, v in units.items()})
+        segment.bytes = path.stat().st_size
+    except Exception as exc:  # pyarrow raises several kinds for damaged files
+        logger.debug("footer of %s: %s: %s", path, type(exc).__name__, exc)
+        return None
+    return segment if segment.units and segment.rows == meta.num_rows else None
+
+
+def reconcile(root: Path) -> tuple[dict[str, Segment], bool]:
+    """The folder's usable segments, from its index checked against one directory listing.
+
+    A listed segment whose size differs from the index, or that the index lacks, is taken
+    from its footer; a damaged one is set aside as ``.<name>.unreadable-<time>`` (with a
+    warning), and its units count as not done. Returns the segments and whether the index
+    must be rewritten to match them.
+    """
+    indexed, lines = read_index(root)
+    present = {p.name: p for p in root.glob(PATTERN)}
+    segments: dict[str, Segment] = {}
+    changed = lines != len(indexed)
+    for name, path in sorted(present.items()):
+        known = indexed.get(name)
+        if known is not None and known.bytes == path.stat().st_size:
+            segments[name] = known
+            continue
+        changed = True
+        found = read_footer(path)
+        if found is not None:
+            segments[name] = found
+            continue
+        aside = path.with_name(f".{name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(path, aside)
+        units = len(known.units) if known else "its"
+        logger.warning(
+            "Output segment %s cannot be used: set aside as %s; %s units are computed again",
+            path,
+            aside.name,
+            units,
+        )
+    for name in indexed.keys() - present.keys():
+        changed = True
+        logger.warning(
+            "Output segment %s, listed in %s, is missing; its %d units are computed again",
+            root / name,
+            INDEX,
+            len(indexed[name].units),
+        )
+    return segments, changed
+
+
+def index_text(segments: Iterable[Segment]) -> str:
+    """The whole index for ``segments``, one line each."""
+    return "".join(json.dumps(s.entry()) + "\n" for s in segments)
