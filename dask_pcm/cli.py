@@ -206,8 +206,9 @@ def fever(json_path: str | None, **options: Any) -> None:
     units = report["units"]
     click.echo(
         f"\n{report['claims']} claims x {result.summary.shape[0]} templates; "
-        f"{units['computed']} units computed, {units['reused']} reused; "
-        f"{report['wall_seconds']:.1f} s"
+        f"{units['computed']} units computed in {report['tasks']} tasks, {units['reused']} "
+        f"reused; {report['wall_seconds']:.1f} s"
+        + (f"; {report['files']} files in {result.output}" if result.output else "")
     )
     if json_path:
         payload = {"summary": result.summary.to_dict("records"), "report": report}

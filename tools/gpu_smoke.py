@@ -270,6 +270,7 @@ def check_fever(check: Check, smoke: Smoke, client: Client, data: Path | None, l
             progress=False,
             output=output,
         )
+        predictions = result.predictions  # read from the folder, before it goes
     cluster_seconds = time.perf_counter() - start
     claims = {c.id: c for c in (demo_claims() if data is None else load_claims(data)).claims}
     expected = min(limit, len(claims))
@@ -279,7 +280,6 @@ def check_fever(check: Check, smoke: Smoke, client: Client, data: Path | None, l
 
     # The one-process reference: the claims run_fever scored, prompted as its tasks prompt.
     template = get_templates(FEVER_TEMPLATE)[0]
-    predictions = result.predictions
     lm = smoke.lm
     prompts = [template.render(claims[i].claim, lm.tokenizer) for i in predictions["claim_id"]]
     reference = [row["predicted"] for row in score_logits(lm, prompts, template.answers)]

@@ -279,6 +279,8 @@ def read_predictions(
     import pandas as pd
     import pyarrow.dataset as ds
 
+    if not Path(root).is_dir():
+        raise OutputFolderError(f"output folder {root} does not exist (any more)")
     paths = sorted(Path(root).glob(PATTERN))
     if not paths:
         return pd.DataFrame(columns=columns)

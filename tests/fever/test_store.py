@@ -220,3 +220,116 @@ def test_a_damaged_weights_file_names_the_users_path_and_the_workers_copy(model)
     assert "Traceback" not in result.output
     assert f"this worker's copy of '{model}'" in result.output
     assert os.sep + "pcm-templates" + os.sep in result.output  # the copy it built from
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+import pyarrow as pa
+from dask_pcm.fever.store import OutputStore
+store = OutputStore(sys.argv[1], {"templates": {}}, segment_rows=1000, flush_interval=float(sys.argv[2]))
+store.open()
+for i in range(5):
+    store.add(f"t--{i:05d}", pa.table({"claim_id": [2 * i, 2 * i + 1], "template": ["t", "t"]}))
+os.kill(os.getpid(), signal.SIGKILL)  # no close, no flush: a killed run
+"""
+
+
+@pytest.mark.parametrize(("interval", "kept"), [(0.0, 5), (3600.0, 0)])
+def test_a_killed_writer_loses_at_most_its_flush_interval(tmp_path, interval, kept):
+    """Units added since the open segment was last written die with the process; with a
+    flush interval of 0 every unit is on disk before the next one is added."""
+    out = tmp_path / "preds.parquet"
+    done = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(out), str(interval)])
+    assert done.returncode == -9
+    from dask_pcm.fever.store import OutputStore
+
+    with OutputStore(out, {"templates": {}}) as store:
+        assert store.done() == {f"t--{i:05d}" for i in range(kept)}
+        assert store.files == (1 if kept else 0)
+    if kept:
+        assert len(pd.read_parquet(out)) == 2 * kept
+
+
+def test_a_unit_is_never_added_twice(tmp_path):
+    import pyarrow as pa
+
+    from dask_pcm.fever.store import OutputStore
+
+    with OutputStore(tmp_path / "out", {"templates": {}}, segment_rows=1) as store:
+        store.add("t--00000", pa.table({"claim_id": [1], "template": ["t"]}))
+    with (
+        OutputStore(tmp_path / "out", {"templates": {}}) as store,
+        pytest.raises(ValueError, match="already in"),
+    ):
+        store.add("t--00000", pa.table({"claim_id": [1], "template": ["t"]}))
+    assert len(pd.read_parquet(tmp_path / "out")) == 1
+
+
+def _indexed_units(out: Path) -> int:
+    from dask_pcm.fever.segments import read_index
+
+    segments, _ = read_index(out)
+    return sum(len(s.units) for s in segments.values())
+
+
+def test_a_run_killed_half_way_resumes_with_every_row_once(model, tmp_path):
+    """SIGKILL to a whole CLI run (client, scheduler, workers) part way; the same command
+    again computes exactly the units not on disk, and the folder holds every row once."""
+    import json
+    import signal
+
+    from dask_pcm.fever import demo_claims
+
+    pool = demo_claims().claims
+    data = tmp_path / "claims.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": i, "label": pool[i % 30].label, "claim": pool[i % 30].claim}) + "\n"
+            for i in range(600)
+        )
+    )
+    out = tmp_path / "preds.parquet"
+    cmd = [
+        sys.executable, "-m", "dask_pcm.cli", "fever", "--model", str(model), "--workers", "1",
+        "--templates", "direct", "--claims-per-task", "2", "--data", str(data),
+        "--output", str(out),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "DASK_PCM__FEVER__SEGMENT_ROWS": "20",
+        "DASK_PCM__FEVER__FLUSH_INTERVAL": "0.2s",
+    }
+    run = subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _indexed_units(out) < 20:
+            assert run.poll() is None, run.communicate()[1].decode()[-2000:]
+            assert time.monotonic() < deadline, "no units were written"
+            time.sleep(0.05)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    persisted = _indexed_units(out)
+    assert persisted < 300, "the run finished before it was killed"
+    again = subprocess.run(
+        [*cmd, "--json", str(tmp_path / "r.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())["report"]
+    assert report["units"] == {"total": 300, "computed": 300 - persisted, "reused": persisted}
+    table = pd.read_parquet(out)
+    assert len(table) == 600 and not table.duplicated(["claim_id", "template"]).any()
+
+
+def test_predictions_of_a_deleted_folder_are_a_clear_error(client, model, tmp_path):
+    out = tmp_path / "preds.parquet"
+    result = _run(client, model, out)
+    shutil.rmtree(out)
+    with pytest.raises(OutputFolderError, match=r"preds.parquet does not exist"):
+        result.predictions  # noqa: B018 (read when first used)

@@ -1,0 +1,82 @@
+"""Dispatch: units packed into tasks, a bounded number in flight, every unit once."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+
+import dask_pcm
+from dask_pcm.fever import demo_claims
+from dask_pcm.fever.dispatch import MAX_UNITS_PER_TASK, Dispatch
+from dask_pcm.fever.templates import get_templates
+from dask_pcm.fever.units import CONTEXT, make_units
+
+OPTIONS = {"method": "logits", "prefix_cache": True}
+
+
+@pytest.fixture
+def cluster(inproc_cluster, tiny_model_dir):
+    cluster, client = inproc_cluster
+    dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name=CONTEXT), level="full")
+    yield cluster, client
+    dask_pcm.unregister(client, CONTEXT)
+
+
+def _units(per_task: int = 1):
+    return make_units(get_templates(["direct", "one-word"], None), demo_claims(), per_task)
+
+
+def test_no_more_tasks_than_the_limit_reach_the_scheduler(cluster):
+    """The old run submitted every unit at once: 60 tasks on the scheduler."""
+    cluster, client = cluster
+    running: list[int] = []
+    held: list[int] = []
+    got: list[str] = []
+
+    def finished(name, table):
+        tasks = [t for k, t in cluster.scheduler.tasks.items() if str(k).startswith("fever-")]
+        running.append(sum(t.state != "memory" for t in tasks))
+        held.append(len(tasks))  # results not yet released count too
+        got.append(name)
+
+    units = _units()
+    dispatch = Dispatch(client, units, OPTIONS, finished, in_flight=3)
+    dispatch.run()
+    assert sorted(got) == sorted(u.name for u in units)  # every unit, once
+    assert max(running) <= 3
+    assert max(held) < 10
+
+
+def test_units_are_packed_into_fewer_tasks_as_their_time_is_learned(cluster):
+    _, client = cluster
+    units = _units()
+    got: dict[str, int] = {}
+    with dask.config.set({"pcm.fever.task-seconds": 60}):  # as many as the limits allow
+        dispatch = Dispatch(
+            client, units, OPTIONS, lambda n, t: got.update({n: t.num_rows}), in_flight=1
+        )
+        dispatch.run()
+    assert got == {u.name: len(u.claims) for u in units}
+    # First one unit (nothing measured yet), then shares of what is left per worker thread.
+    assert dispatch.tasks < len(units) / 2
+    assert dispatch.units_per_task() > 1 or not dispatch.queue
+    assert dispatch.unit_seconds is not None and dispatch.unit_seconds > 0
+
+
+def test_units_per_task_follows_the_measured_time():
+    class FakeClient:
+        def nthreads(self):
+            return {"a": 1, "b": 1}
+
+    units = _units()
+    dispatch = Dispatch(FakeClient(), units * 100, OPTIONS, lambda n, t: None)
+    assert dispatch.units_per_task() == 1  # nothing measured yet
+    dispatch._learn(seconds=0.5, units=5)  # 0.1 s per unit, 1 s per task wanted
+    assert dispatch.units_per_task() == 10
+    for _ in range(30):  # a moving average: faster units soon count
+        dispatch._learn(seconds=0.0001, units=1)
+    assert dispatch.units_per_task() == MAX_UNITS_PER_TASK
+    dispatch.queue.clear()
+    dispatch.queue.extend(units[:12])  # near the end: a share per thread, at least 1
+    assert dispatch.units_per_task() == 3
+    assert dispatch.in_flight() == 64  # the floor, with 2 threads
