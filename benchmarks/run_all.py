@@ -37,6 +37,7 @@ SCRIPTS = {
     "peers": "peers.py",  # dask_pcm against Ray Data and plain Dask
     "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
     "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
+    "paper_scale": "paper_scale.py",  # issue 19: 145,449 claims x 10 templates
 }
 
 COLUMNS = [
