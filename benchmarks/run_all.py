@@ -6,7 +6,7 @@ otherwise). The scripts run one at a time: on a small machine any two would meas
 other. A script that fails does not stop the others; the exit status is non-zero if any
 failed. With ``--quick`` the whole set is a smoke test (CI runs it): every script's small
 run, on the tiny random model (``--model tiny``, unless ``--model`` names another), in about
-four and a half minutes on 2 cores; its figures are not benchmarks. Without ``--quick`` it is the full set
+about six minutes on 2 cores; its figures are not benchmarks. Without ``--quick`` it is the full set
 of experiments behind ``benchmarks/README.md`` on the embedded SmolLM2-135M (an hour or more on
 2 cores).
 

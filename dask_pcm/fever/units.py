@@ -77,11 +77,10 @@ def score_units(
     import pyarrow as pa
 
     start = time.perf_counter()
-    options = {"context": context, "prefix_cache": prefix_cache}
-    scored = [
-        (name, pa.Table.from_pylist(score_unit(template, claims, method, **options)))
-        for name, claims in units
-    ]
+    scored = []
+    for name, claims in units:
+        rows = score_unit(template, claims, method, context=context, prefix_cache=prefix_cache)
+        scored.append((name, pa.Table.from_pylist(rows)))
     return {"units": scored, "seconds": time.perf_counter() - start}
 
 
