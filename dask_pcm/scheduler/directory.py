@@ -10,22 +10,34 @@ with the wrong bytes is not offered for that chunk again.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import heapq
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
 from typing import Any
 
+from dask_pcm import config
+
 logger = logging.getLogger(__name__)
 
-# Chunks one worker may be reading from a template's source at once, and how long such a
-# lease lasts before another worker may take the chunk.
+# Chunks one worker may be reading from a template's source at once, chunks all workers
+# together may be reading from it at once, and how long such a lease lasts before another
+# worker may take the chunk. Few readers at a time make the source deliver whole chunks
+# early, one after another, for peers to pass on while it reads the next; many at once
+# would share its bandwidth and deliver them all at the end.
 SOURCE_LEASES = 2
+SOURCE_READS = 4
 LEASE_SECONDS = 120.0
+# Peers offered per chunk: the least loaded first, the others in case it fails.
+PEERS_OFFERED = 3
 
 
 class ChunkDirectory:
-    """Chunk holders, source leases and bad holders, per template digest.
+    """Chunk holders, source leases, uploads planned and bad holders, per template digest.
 
     Parameters
     ----------
@@ -33,48 +45,132 @@ class ChunkDirectory:
         ``whole_copies(digest)``: the connected workers holding a complete copy.
     connected
         The connected workers' addresses (reports from others are ignored).
+    max_uploads
+        Uploads planned from one holder at once (``pcm.template.max-uploads``, what a worker
+        serves at once): a chunk whose holders are all that busy waits for the next plan.
     """
 
     def __init__(
         self,
         whole_copies: Callable[[str], set[str]],
         connected: Callable[[], Collection[str]],
+        max_uploads: int | None = None,
     ) -> None:
         self.whole_copies = whole_copies
         self.connected = connected
+        self.max_uploads = max_uploads or int(config.get("template.max-uploads"))
         self.holders: dict[str, dict[int, set[str]]] = {}
         self.leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
+        # Uploads planned and not yet reported done: (worker, index) -> holder, and the
+        # number per holder.
+        self.planned: dict[str, dict[tuple[str, int], str]] = {}
+        self.load: dict[str, Counter[str]] = {}
+        # Set (and replaced) whenever something changes that a waiting plan may use.
+        self._changed: dict[str, asyncio.Event] = {}
 
-    def plan(self, digest: str, worker: str, missing: list[int]) -> dict[str, Any]:
-        """RPC handler: where ``worker`` should get each of its ``missing`` chunks now.
+    async def plan_waiting(
+        self,
+        digest: str,
+        worker: str,
+        missing: list[int],
+        limit: int | None = None,
+        wait: float = 0.0,
+    ) -> dict[str, Any]:
+        """RPC handler: :meth:`plan`; when it has nothing for ``worker``, wait up to ``wait``
+        seconds for a change (a chunk held, an upload or a lease done, a worker gone) that
+        may give it something, and plan again.
 
-        Returns ``{"peers": {index: [workers]}, "source": [indexes]}``: peers (whole copies
-        and partial ones) for every chunk someone holds, in random order; and a source lease
-        for chunks nobody holds or is reading, at most :data:`SOURCE_LEASES` per worker at
-        once. A lease lapses after :data:`LEASE_SECONDS` or when its worker leaves.
+        Workers that ask this way hear of a chunk they can have at once, instead of asking
+        again and again (each ask costs the scheduler a plan) or pausing longer between
+        asks (which delays the copy).
+        """
+        answer = self.plan(digest, worker, missing, limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while not (answer["peers"] or answer["source"]):
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            changed = self._changed.setdefault(digest, asyncio.Event())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), left)
+            answer = self.plan(digest, worker, missing, limit)
+        return answer
+
+    def _notify(self, digest: str | None = None) -> None:
+        """Wake the plans waiting on ``digest`` (None: on every template)."""
+        for key in list(self._changed) if digest is None else [digest]:
+            event = self._changed.pop(key, None)
+            if event is not None:
+                event.set()
+
+    def plan(
+        self, digest: str, worker: str, missing: list[int], limit: int | None = None
+    ) -> dict[str, Any]:
+        """RPC handler: where ``worker`` should get (at most ``limit`` of) its ``missing``
+        chunks now.
+
+        Returns ``{"peers": {index: [workers]}, "source": [indexes]}``. Chunks someone holds
+        (whole copies and partial ones) come first, the rarest first, each from the least
+        loaded of its holders (then up to two others, in case it fails); a holder with
+        ``max_uploads`` uploads planned is not offered until one is done. Chunks nobody holds
+        or reads get a source lease: at most :data:`SOURCE_LEASES` per worker and
+        :data:`SOURCE_READS` per template at once. A lease lapses after
+        :data:`LEASE_SECONDS` or when its worker leaves.
         """
         now = time.time()
+        limit = len(missing) if limit is None else limit
         whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
         bad = self.bad_holders.get(digest, {})
         leases = self.leases.setdefault(digest, {})
         for index in [i for i, (_, until) in leases.items() if until < now]:
             del leases[index]
-        mine = sum(1 for w, _ in leases.values() if w == worker)
+        for index in missing:  # asked again: what was planned for it is over
+            self._done(digest, worker, index)
+        load = self.load.setdefault(digest, Counter())
+        # Rarest first (holder counts before bad ones and the asker are taken out: a guide).
+        ranked = sorted((len(holders.get(i, ())) + len(whole), random.random(), i) for i in missing)
         peers: dict[int, list[str]] = {}
+        nobody: list[int] = []
+        for count, _, index in ranked:
+            if count == 0:
+                nobody.append(index)
+                continue
+            if len(peers) >= limit:
+                continue
+            who = (holders.get(index, set()) | whole) - bad.get(index, set()) - {worker}
+            if not who:
+                nobody.append(index)
+                continue
+            free = [w for w in who if load[w] < self.max_uploads]
+            if free:
+                offered = heapq.nsmallest(
+                    PEERS_OFFERED, free, key=lambda w: (load[w], random.random())
+                )
+                peers[index] = offered
+                self.planned.setdefault(digest, {})[(worker, index)] = offered[0]
+                load[offered[0]] += 1
         source: list[int] = []
-        for index in missing:
-            who = sorted((holders.get(index, set()) | whole) - bad.get(index, set()) - {worker})
-            if who:
-                random.shuffle(who)
-                peers[index] = who
-            elif index not in leases and mine < SOURCE_LEASES:
+        mine = sum(1 for w, _ in leases.values() if w == worker)
+        for index in sorted(nobody):
+            if len(peers) + len(source) >= limit:
+                break
+            if mine >= SOURCE_LEASES or len(leases) >= SOURCE_READS:
+                break
+            if index not in leases:
                 leases[index] = (worker, now + LEASE_SECONDS)
                 source.append(index)
                 mine += 1
         return {"peers": peers, "source": source}
+
+    def _done(self, digest: str, worker: str, index: int) -> None:
+        """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
+        holder = self.planned.get(digest, {}).pop((worker, index), None)
+        if holder is not None:
+            self.load[digest][holder] -= 1
 
     def have(
         self,
@@ -85,9 +181,10 @@ class ChunkDirectory:
         lost: list[int] | None = None,
         bad: list[int] | None = None,
     ) -> None:
-        """RPC handler: ``worker`` now holds ``indexes``; its leases on ``released`` end;
-        it no longer offers ``lost`` (it failed to serve them, or gave up its copy); it
-        served ``bad`` with the wrong bytes, so nobody is sent to it for them again."""
+        """RPC handler: ``worker`` now holds ``indexes``; it no longer wants ``released``
+        (its leases on them end, so do the uploads planned for them); it no longer offers
+        ``lost`` (it failed to serve them, or gave up its copy); it served ``bad`` with the
+        wrong bytes, so nobody is sent to it for them again."""
         if worker not in self.connected():
             return
         holders = self.holders.setdefault(digest, {})
@@ -109,12 +206,16 @@ class ChunkDirectory:
         for index in indexes:
             holders.setdefault(index, set()).add(worker)
             leases.pop(index, None)
+            self._done(digest, worker, index)
         for index in released or ():
             if leases.get(index, ("", 0.0))[0] == worker:
                 del leases[index]
+            self._done(digest, worker, index)
+        self._notify(digest)
 
     def remove_worker(self, worker: str) -> None:
-        """A worker left: it holds nothing, its leases lapse."""
+        """A worker left: it holds nothing, its leases lapse, so do uploads planned to or
+        from it."""
         for directory in (self.holders, self.bad_holders):
             for by_index in directory.values():
                 for who in by_index.values():
@@ -122,3 +223,7 @@ class ChunkDirectory:
         for leases in self.leases.values():
             for index in [i for i, (w, _) in leases.items() if w == worker]:
                 del leases[index]
+        for digest, planned in self.planned.items():
+            for key in [k for k, holder in planned.items() if worker in (k[0], holder)]:
+                self.load[digest][planned.pop(key)] -= 1
+        self._notify()

@@ -66,7 +66,7 @@ class ContextScheduler(SchedulerPlugin):
             connected=lambda: scheduler.workers,
         )
         self._handlers: dict[str, Callable[..., Any]] = {
-            protocol.CHUNK_PLAN_OP: self.directory.plan,
+            protocol.CHUNK_PLAN_OP: self.directory.plan_waiting,
             protocol.CHUNK_HAVE_OP: self.directory.have,
             protocol.KEEP_WORKERS_OP: self.keep_workers,
         }

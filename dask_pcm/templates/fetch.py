@@ -51,8 +51,11 @@ logger = logging.getLogger(__name__)
 class Planner(Protocol):
     """Where the missing chunks of one copy should come from now, and who holds what."""
 
-    async def plan(self, missing: list[int]) -> dict[str, Any]:
-        """``{"peers": {index: [workers]}, "source": [indexes]}``."""
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
+        """``{"peers": {index: [workers]}, "source": [indexes]}``: at most ``limit`` of the
+        ``missing`` chunks to fetch now, each from the first usable of its peers, or (no
+        peers) from the source. With nothing to plan now, it may wait up to ``wait`` seconds
+        for something."""
         ...
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
@@ -67,9 +70,15 @@ class DirectoryPlanner:
         self.worker = worker
         self.digest = digest
 
-    async def plan(self, missing: list[int]) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         rpc = getattr(self.worker.scheduler, CHUNK_PLAN_OP)
-        return await rpc(digest=self.digest, worker=self.worker.address, missing=missing)
+        return await rpc(
+            digest=self.digest,
+            worker=self.worker.address,
+            missing=missing,
+            limit=limit,
+            wait=wait,
+        )
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
         rpc = getattr(self.worker.scheduler, CHUNK_HAVE_OP)
@@ -79,8 +88,8 @@ class DirectoryPlanner:
 class SourcePlanner:
     """Every chunk from the source (``pcm.template.peer-to-peer: false``)."""
 
-    async def plan(self, missing: list[int]) -> dict[str, Any]:
-        return {"peers": {}, "source": list(missing)}
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
+        return {"peers": {}, "source": list(missing[:limit])}
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
         pass
@@ -135,11 +144,14 @@ class FetchReport:
 _OK, _CORRUPT, _FAILED = "ok", "corrupt", "failed"
 # A peer that serves this many chunks that fail verification is dropped for the copy.
 MAX_BAD_CHUNKS = 2
-# Planning rounds in a row in which no chunk arrived before a copy gives up (every such
-# round drops or strikes a peer, so only a pathological directory reaches it).
-_MAX_FRUITLESS_ROUNDS = 20
-# Longest pause between asking the directory again while others read what is missing.
+# Chunk requests in a row that brought nothing before a copy gives up (every such request
+# drops or strikes a peer, so only a pathological directory reaches it).
+_MAX_FRUITLESS = 20
+# Pauses between asking the directory again while others read what is missing.
+_FIRST_IDLE_WAIT = 0.05
 _MAX_IDLE_WAIT = 1.0
+# How long a copy with no chunk in flight lets the planner wait for one to plan.
+_PLAN_WAIT = 2.0
 
 
 class _PeerFailed(Exception):
@@ -247,7 +259,9 @@ class _Chunks:
         except _PeerFailed as exc:
             self._drop(peer, str(exc))
             return _FAILED
-        data = getattr(data, "data", data)  # in-process comms hand over the wrapper itself
+        # A uint8 array over the buffer the comm read into (bytes from older peers); in-process
+        # comms hand over the wrapper itself.
+        data = memoryview(getattr(data, "data", data))
         try:
             await asyncio.to_thread(self.writer.write, index, data)
         except ChunkError as exc:
@@ -268,25 +282,10 @@ class _Chunks:
             raise self.failure(
                 f"chunk {index} could not be had from any peer and no source was given"
             )
-        data = await asyncio.to_thread(self.reader.read, self.source_root, self.manifest, index)
+        data = await self.reader.aread(self.source_root, self.manifest, index)
         await asyncio.to_thread(self.writer.write, index, data)
         self.report.bytes_from_source += len(data)
         self.report.chunks_from_source += 1
-
-
-async def _all(work: list[Any]) -> list[Any]:
-    """Run ``work`` (coroutines) together; on the first error cancel the rest, then raise.
-
-    Unlike ``asyncio.gather``, nothing keeps writing into a copy that is being aborted.
-    """
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def _timeout(timeout: float | str | None) -> float | None:
@@ -326,62 +325,81 @@ async def fetch(
     store = TemplateStore.of(worker)
     store.add_partial(writer)  # serve what arrives, at once
     chunks = _Chunks(worker, writer, report, source_root, reader, _timeout(timeout))
-    gate = asyncio.Semaphore(in_flight)
     me = worker.address
 
     async def get(index: int, planned: list[str]) -> bool:
         """Chunk ``index`` from a planned peer, else (none usable) the source."""
-        async with gate:
-            tried = False
-            for peer in planned:
-                if not chunks.usable(peer):
-                    continue
-                tried = True
-                outcome = await chunks.from_peer(peer, index)
-                if outcome == _OK:
-                    await planner.have(me, [index])
-                    return True
-                # The directory stops offering this peer for this chunk (to anyone, when
-                # it served bad bytes).
-                bad = [index] if outcome == _CORRUPT else []
-                await planner.have(peer, [], lost=[index], bad=bad)
-            if tried:
-                return False  # planned again next round, without what failed
-            try:
-                await chunks.from_source(index)
-            finally:
-                if not planned and index in writer.missing:  # give the lease back
-                    await planner.have(me, [], released=[index])
-            await planner.have(me, [index])
-            return True
+        tried = False
+        for peer in planned:
+            if not chunks.usable(peer):
+                continue
+            tried = True
+            outcome = await chunks.from_peer(peer, index)
+            if outcome == _OK:
+                await planner.have(me, [index])
+                return True
+            # The directory stops offering this peer for this chunk (to anyone, when it
+            # served bad bytes).
+            bad = [index] if outcome == _CORRUPT else []
+            await planner.have(peer, [], lost=[index], bad=bad)
+        if tried:
+            await planner.have(me, [], released=[index])
+            return False  # planned again, without what failed
+        try:
+            await chunks.from_source(index)
+        finally:
+            if not planned and index in writer.missing:  # give the lease back
+                await planner.have(me, [], released=[index])
+        await planner.have(me, [index])
+        return True
 
+    running: dict[int, asyncio.Task[bool]] = {}
     try:
-        idle, fruitless = 0.05, 0
+        idle, fruitless = _FIRST_IDLE_WAIT, 0
         while writer.missing:
             chunks.check_deadline()
-            plan = await planner.plan(sorted(writer.missing))
-            report.rounds += 1
-            work = [get(int(i), list(peers)) for i, peers in plan["peers"].items()]
-            work += [get(int(i), []) for i in plan["source"]]
-            if not work:  # every chunk left is being read by someone else
+            free = in_flight - len(running)
+            wanted = sorted(writer.missing - running.keys())
+            started = 0
+            if free and wanted:
+                # With nothing in flight, the planner may hold the answer until it has one.
+                plan = await planner.plan(wanted, free, 0.0 if running else _PLAN_WAIT)
+                report.rounds += 1
+                work = [(int(i), list(peers)) for i, peers in plan["peers"].items()]
+                work += [(int(i), []) for i in plan["source"]]
+                for index, peers in work:
+                    running[index] = asyncio.ensure_future(get(index, peers))
+                started = len(work)
+            if not running:  # every chunk left is being read by someone else
                 await asyncio.sleep(idle)
                 idle = min(2 * idle, _MAX_IDLE_WAIT)
                 continue
-            idle = 0.05
-            if any(await _all(work)):
-                fruitless = 0
-            else:
-                fruitless += 1
-                if fruitless >= _MAX_FRUITLESS_ROUNDS:
-                    raise chunks.failure(f"{fruitless} planning rounds in a row gave no chunk")
+            # Until a chunk is in; while slots are free, ask again after a pause.
+            done, _ = await asyncio.wait(
+                running.values(),
+                timeout=idle if started < free else None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            idle = _FIRST_IDLE_WAIT if done else min(2 * idle, _MAX_IDLE_WAIT)
+            for index in [i for i, task in running.items() if task in done]:
+                if running.pop(index).result():
+                    fruitless = 0
+                else:
+                    fruitless += 1
+            if fruitless >= _MAX_FRUITLESS:
+                raise chunks.failure(f"{fruitless} chunk requests in a row brought nothing")
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
     except BaseException:
+        # Nothing keeps writing into a copy that is being given up.
+        for task in running.values():
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
         store.partial.pop(manifest.digest, None)
         held = sorted(set(range(manifest.nchunks)) - writer.missing)
         await asyncio.to_thread(writer.abort)
         with contextlib.suppress(Exception):
-            await planner.have(me, [], lost=held)
+            await planner.have(me, [], lost=held, released=sorted(writer.missing))
         raise
     report.seconds = time.perf_counter() - chunks.start
     return path, report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -23,6 +24,11 @@ class SourceReader:
     def read(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         """Chunk ``index`` of ``manifest``'s files under ``root``."""
         return read_chunk(root, manifest, index)
+
+    async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
+        """:meth:`read` from the event loop (a template copy): in a thread here; a reader
+        that models a link waits for it on the loop instead of holding a thread."""
+        return await asyncio.to_thread(self.read, root, manifest, index)
 
     def account(self, nbytes: int) -> float:
         """A build read ``nbytes`` of the source itself; seconds waited for it (none here)."""

@@ -18,7 +18,7 @@ from distributed.protocol import to_serialize
 from dask_pcm import config
 from dask_pcm.exceptions import ChunkError
 from dask_pcm.protocol import CHUNK_OP
-from dask_pcm.templates.manifest import Manifest, TemplateWriter, read_chunk
+from dask_pcm.templates.manifest import Manifest, TemplateWriter, map_chunk
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -71,14 +71,14 @@ class TemplateStore:
         return writer.staging, writer.manifest, True
 
     async def serve(self, digest: str, index: int) -> Any:
-        """Comm handler: chunk ``index`` of template ``digest``, read from disk."""
+        """Comm handler: chunk ``index`` of template ``digest``, mapped from disk."""
         for _ in range(50):
             root, manifest, partial = self._where(digest, index)
             async with self._uploads:
                 self.active_uploads += 1
                 self.peak_uploads = max(self.peak_uploads, self.active_uploads)
                 try:
-                    data = await asyncio.to_thread(read_chunk, root, manifest, index)
+                    data = await asyncio.to_thread(map_chunk, root, manifest, index)
                 except FileNotFoundError:
                     if not partial:
                         raise
@@ -91,6 +91,7 @@ class TemplateStore:
         else:
             raise ChunkError(f"chunk {index} of template {digest[:12]}... kept moving; try later")
         self.bytes_served += len(data)
-        # As its own frame: the comm sends the buffer as it is instead of packing a copy of
-        # it into the message.
+        # As its own frame: the comm sends the array's buffer as it is instead of packing a
+        # copy of it into the message, and the peer gets an array over the buffer it read
+        # into (a bytes frame would be copied once more there).
         return to_serialize(data)

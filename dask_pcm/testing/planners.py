@@ -13,10 +13,10 @@ class StaticPeers:
         self.peers = list(dict.fromkeys(peers))
         self.told: list[tuple[str, list[int], dict[str, list[int]]]] = []
 
-    async def plan(self, missing: list[int]) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         if not self.peers:
-            return {"peers": {}, "source": list(missing)}
-        return {"peers": {i: list(self.peers) for i in missing}, "source": []}
+            return {"peers": {}, "source": list(missing[:limit])}
+        return {"peers": {i: list(self.peers) for i in missing[:limit]}, "source": []}
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
         self.told.append((worker, indexes, changes))

@@ -16,6 +16,7 @@ Example
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -92,6 +93,13 @@ class ThrottledReader:
     def read(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         self.link.consume(manifest.chunk(index).length)
         return read_chunk(root, manifest, index)
+
+    async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
+        """:meth:`read` from the event loop: the wait for the link is a sleep on the loop."""
+        wait = self.link.book(manifest.chunk(index).length) - time.time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return await asyncio.to_thread(read_chunk, root, manifest, index)
 
     def account(self, nbytes: int) -> float:
         waited = 0.0

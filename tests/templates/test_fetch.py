@@ -136,11 +136,12 @@ def test_a_corrupted_chunk_is_discarded_and_fetched_again(inproc_cluster, templa
         left = [1]
 
         async def bad(digest, index):
-            data = (await serve(digest, index)).data  # served as a Serialize wrapper
+            served = await serve(digest, index)  # a Serialize wrapper around an array
             if left[0]:
                 left[0] -= 1
+                data = bytes(served.data)
                 return bytes([data[0] ^ 0xFF]) + data[1:]
-            return data
+            return served
 
         return bad
 
@@ -172,9 +173,10 @@ def test_a_peer_holding_a_corrupted_copy_is_dropped_and_the_source_finishes(
     _damage(weights, [40 * KIB, 200 * KIB, 400 * KIB])
     holder, joiner = _holder_and_joiner(client, manifest, damaged)
     path, report = _fetch_on(client, joiner, manifest, tmp_path / "copy", [holder], str(root))
-    assert report["corrupted"] == 2
+    # Dropped at the second; the third may have been asked for already (chunks in flight).
+    assert report["corrupted"] in (2, 3)
     assert report["failed_peers"] == [holder]
-    assert "2 corrupted" in report["peers"][holder]
+    assert f"{report['corrupted']} corrupted" in report["peers"][holder]
     assert report["chunks_from_source"] >= 2
     _same_files(manifest, root, path)
 
@@ -311,29 +313,6 @@ def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model
     assert table["bytes_from_peers"].sum() == total
 
 
-def test_chunk_directory_leases_the_source_and_forgets_lost_holders():
-    from dask_pcm.scheduler.directory import ChunkDirectory
-
-    directory = ChunkDirectory(whole_copies=lambda digest: set(), connected=lambda: set("abc"))
-    plan, have = directory.plan, directory.have
-    everything = [0, 1, 2, 3, 4]
-    assert plan("d", "a", everything) == {"peers": {}, "source": [0, 1]}
-    assert plan("d", "b", everything) == {"peers": {}, "source": [2, 3]}
-    have("d", "a", [0])  # a's lease on 0 ends; 0 is now held by a
-    assert plan("d", "c", everything) == {"peers": {0: ["a"]}, "source": [4]}
-    have("d", "a", [], lost=[0])  # a could not serve 0 after all
-    assert plan("d", "c", [0]) == {"peers": {}, "source": [0]}
-    directory.remove_worker("b")  # b's leases on 2 and 3 lapse with it
-    assert plan("a", "a", [9])["source"] == [9]  # another template: own leases
-    assert plan("d", "a", [2, 3]) == {"peers": {}, "source": [2]}  # a holds 1
-    have("d", "c", [5, 6])
-    have("d", "c", [], lost=[5], bad=[5])  # c served 5 with the wrong bytes
-    have("d", "a", [5])
-    assert plan("d", "b", [5, 6]) == {"peers": {5: ["a"], 6: ["c"]}, "source": []}
-    have("d", "a", [], lost=[5], bad=[5])
-    assert plan("d", "b", [5]) == {"peers": {}, "source": [5]}
-
-
 def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_dir, tmp_path):
     """SIGKILL the only holder while a joiner copies from it: the joiner still gets ready."""
     import os
@@ -409,7 +388,7 @@ def test_a_chunk_asked_for_while_the_copy_is_moved_into_place_is_still_served(te
             store.add(final, manifest)
 
         served, _ = await asyncio.gather(store.serve(manifest.digest, 1), announce_later())
-        return served.data
+        return bytes(served.data)
 
     assert asyncio.run(scenario()) == read_chunk(root, manifest, 1)
 

@@ -1,0 +1,457 @@
+"""A template broadcast to hundreds of workers, simulated on one event loop in virtual time.
+
+What runs is the real code: every simulated worker copies the template with
+:func:`dask_pcm.templates.fetch.fetch`, plans with
+:class:`~dask_pcm.templates.fetch.DirectoryPlanner` against one real
+:class:`~dask_pcm.scheduler.directory.ChunkDirectory`, and serves its chunks (whole or
+partial copy) with the real :class:`~dask_pcm.templates.serve.TemplateStore` handler, through
+distributed's ``send_recv``. What is simulated is the network and the clock:
+
+- a :class:`Network` of links, each with a capacity in bytes per second: one upload and one
+  download link per worker, and one for the source (a shared filesystem). Flows share every
+  link they cross equally (a flow's rate is the smallest share along its path), as TCP
+  streams roughly do; every message pays the one-way ``latency``;
+- a :class:`VirtualClockLoop`: an asyncio event loop whose clock jumps to the next timer
+  whenever nothing is ready to run, so a 3.4 GB broadcast to 256 workers takes seconds of
+  real time. Work handed to threads (disk writes, hashing) is waited for with the clock
+  stopped: disk and CPU cost no simulated time, the network all of it. The scheduler's own
+  time is the exception: every directory call is charged the real time it took, one call
+  at a time, as on the scheduler's single event loop.
+
+The template's bytes are synthetic and ``scale`` times smaller than the sizes simulated (a
+3.4 GB template is 13 KB on disk at the default scale): chunks are real files, verified
+against their SHA-256 as always, and each byte stands for ``scale`` bytes on the links.
+
+Example
+-------
+>>> result = simulate(64, "p2p", template_bytes=3.4e9, link=1e9, source=1e9)  # doctest: +SKIP
+>>> result["seconds"], result["source_bytes"] / 3.4e9                          # doctest: +SKIP
+(4.1, 1.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import math
+import os
+import selectors
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dask.config
+import dask.utils
+from distributed.protocol.serialize import Serialize
+
+from dask_pcm.protocol import CHUNK_HAVE_OP, CHUNK_PLAN_OP
+from dask_pcm.scheduler.directory import ChunkDirectory
+from dask_pcm.templates.fetch import DirectoryPlanner, SourcePlanner, fetch
+from dask_pcm.templates.manifest import FileEntry, Manifest, _digest, read_chunk
+from dask_pcm.templates.reader import SourceReader
+from dask_pcm.templates.serve import TemplateStore
+
+MODES = ("source", "p2p")
+
+
+# -- the clock ------------------------------------------------------------------------------
+class _VirtualSelector(selectors.DefaultSelector):
+    """Polls for real events; where the loop would sleep, moves its clock instead."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        events = super().select(0)
+        if events or timeout == 0:
+            return events
+        if self.loop.threads or timeout is None:
+            # Real work in a thread (or nothing scheduled): wait for it, the clock stopped.
+            return super().select(None if timeout is None else 1.0)
+        self.loop.now += timeout
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop on simulated time: ``loop.time()`` only moves when every coroutine is
+    waiting for a timer, and then straight to the earliest one."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.threads = 0
+        super().__init__(_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self.now
+
+    def run_in_executor(self, executor: Any, func: Any, *args: Any) -> asyncio.Future[Any]:  # type: ignore[override]
+        future = super().run_in_executor(executor, func, *args)
+        self.threads += 1
+        future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: Any) -> None:
+        self.threads -= 1
+
+
+# -- the network ----------------------------------------------------------------------------
+@dataclass
+class _Flow:
+    links: tuple[str, ...]
+    left: float
+    done: asyncio.Future[None]
+    rate: float = 0.0
+
+
+class Network:
+    """Links with capacities (bytes per second) shared equally by the flows crossing them."""
+
+    def __init__(self, capacity: dict[str, float], latency: float) -> None:
+        self.capacity = capacity
+        self.latency = latency
+        self.flows: list[_Flow] = []
+        self.moved: dict[str, float] = {}  # bytes through each link
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def transfer(self, links: tuple[str, ...], nbytes: float) -> None:
+        """Move ``nbytes`` through ``links`` (after one latency)."""
+        await asyncio.sleep(self.latency)
+        loop = asyncio.get_running_loop()
+        self._advance(loop.time())
+        flow = _Flow(links, float(nbytes), loop.create_future())
+        for link in links:
+            self.moved[link] = self.moved.get(link, 0.0) + nbytes
+        self.flows.append(flow)
+        self._reschedule(loop)
+        await flow.done
+
+    def _advance(self, now: float) -> None:
+        elapsed, self._last = now - self._last, now
+        for flow in self.flows:
+            flow.left -= flow.rate * elapsed
+
+    def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        finished = [f for f in self.flows if f.left <= 1e-3]
+        self.flows = [f for f in self.flows if f.left > 1e-3]
+        for flow in finished:
+            if not flow.done.done():
+                flow.done.set_result(None)
+        sharing: dict[str, int] = {}
+        for flow in self.flows:
+            for link in flow.links:
+                sharing[link] = sharing.get(link, 0) + 1
+        for flow in self.flows:
+            flow.rate = min(self.capacity[link] / sharing[link] for link in flow.links)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.flows:
+            soonest = min(f.left / f.rate for f in self.flows)
+            self._timer = loop.call_later(soonest, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._advance(loop.time())
+        self._reschedule(loop)
+
+
+# -- simulated workers, comms and scheduler ---------------------------------------------------
+class _Comm:
+    """A connection to a simulated peer: a request, then its answer over the links."""
+
+    deserialize = True
+
+    def __init__(self, sim: _Simulation, me: str, peer: str) -> None:
+        self.sim, self.me, self.peer = sim, me, peer
+        self.request: dict[str, Any] = {}
+        self._closed = False
+
+    async def write(self, msg: dict[str, Any], **_: Any) -> int:
+        self.request = dict(msg)
+        return 0
+
+    async def read(self, **_: Any) -> Any:
+        msg = self.request
+        handler = self.sim.workers[self.peer].handlers[msg.pop("op")]
+        msg.pop("reply", None)
+        await asyncio.sleep(self.sim.network.latency)  # the request
+        answer = await handler(**msg)
+        data = answer.data if isinstance(answer, Serialize) else answer
+        nbytes = len(data) * self.sim.scale
+        self.sim.uploads[self.peer] = self.sim.uploads.get(self.peer, 0.0) + nbytes
+        await self.sim.network.transfer((f"{self.peer}/up", f"{self.me}/down"), nbytes)
+        return answer
+
+    def abort(self) -> None:
+        self._closed = True
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def closed(self) -> bool:
+        return self._closed
+
+
+class _PeerRPC:
+    """``worker.rpc``: connections to peers, pooled."""
+
+    def __init__(self, sim: _Simulation, me: str) -> None:
+        self.sim, self.me = sim, me
+        self.pool: dict[str, list[_Comm]] = {}
+
+    async def connect(self, peer: str, timeout: float | None = None) -> _Comm:
+        idle = self.pool.get(peer)
+        if idle:
+            return idle.pop()
+        await asyncio.sleep(2 * self.sim.network.latency)  # a handshake
+        return _Comm(self.sim, self.me, peer)
+
+    def reuse(self, peer: str, comm: _Comm) -> None:
+        if not comm.closed():
+            self.pool.setdefault(peer, []).append(comm)
+
+
+class _SchedulerRPC:
+    """``worker.scheduler``: the chunk directory's handlers, over the network."""
+
+    def __init__(self, sim: _Simulation) -> None:
+        self.sim = sim
+
+    def __getattr__(self, op: str) -> Any:
+        return lambda **kwargs: self.sim.call_scheduler(op, kwargs)
+
+
+class _Worker:
+    """What :func:`fetch` and :class:`TemplateStore` use of a ``distributed.Worker``."""
+
+    def __init__(self, sim: _Simulation, address: str, max_uploads: int) -> None:
+        self.address = address
+        self.handlers: dict[str, Any] = {}
+        self.extensions: dict[str, Any] = {}
+        self.rpc = _PeerRPC(sim, address)
+        self.scheduler = _SchedulerRPC(sim)
+        self.extensions["dask-pcm-templates"] = TemplateStore(self, max_uploads)  # type: ignore[arg-type]
+
+
+class _SimReader(SourceReader):
+    """Source reads over the source's link and the reader's download link."""
+
+    def __init__(self, sim: _Simulation, me: str) -> None:
+        self.sim, self.me = sim, me
+
+    async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
+        data = read_chunk(root, manifest, index)
+        await self.sim.network.transfer(("source", f"{self.me}/down"), len(data) * self.sim.scale)
+        return data
+
+
+# Real seconds the directory spent on the scheduler call being answered.
+_CHARGE: contextvars.ContextVar[list[float]] = contextvars.ContextVar("charge")
+
+
+@dataclass
+class _Simulation:
+    network: Network
+    scale: int
+    workers: dict[str, _Worker] = field(default_factory=dict)
+    directory: ChunkDirectory | None = None
+    uploads: dict[str, float] = field(default_factory=dict)
+    scheduler_seconds: float = 0.0
+    _busy_until: float = 0.0
+
+    def attach(self, directory: ChunkDirectory) -> None:
+        """Use ``directory``, timing each of its plans and reports."""
+        for name in ("plan", "have"):
+            setattr(directory, name, self._timed(getattr(directory, name)))
+        self.directory = directory
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self.scheduler_seconds += spent
+                charge = _CHARGE.get(None)
+                if charge is not None:
+                    charge[0] += spent
+
+        return timed
+
+    async def call_scheduler(self, op: str, kwargs: dict[str, Any]) -> Any:
+        """A worker's call of the scheduler's handler ``op``: a message each way, and the
+        handler's time, the scheduler doing one thing at a time."""
+        assert self.directory is not None
+        handlers: dict[str, Callable[..., Any]] = {
+            CHUNK_PLAN_OP: self.directory.plan_waiting,
+            CHUNK_HAVE_OP: self.directory.have,
+        }
+        handler = handlers[op]
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(self.network.latency)
+        charge = [0.0]
+        token = _CHARGE.set(charge)
+        try:
+            answer = handler(**kwargs)
+            if asyncio.iscoroutine(answer):
+                answer = await answer
+        finally:
+            _CHARGE.reset(token)
+        self._busy_until = max(loop.time(), self._busy_until) + charge[0]
+        await asyncio.sleep(self._busy_until - loop.time() + self.network.latency)
+        return answer
+
+
+def synthetic_template(
+    folder: str | os.PathLike[str], template_bytes: float, chunk_size: int, scale: int
+) -> tuple[Manifest, Path]:
+    """A template of ``template_bytes / scale`` bytes in chunks of ``chunk_size / scale``
+    (one ``model.safetensors`` of pseudo-random bytes) and its manifest."""
+    if chunk_size % scale:
+        raise ValueError(f"chunk size {chunk_size} is not a multiple of scale {scale}")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    size, piece = math.ceil(template_bytes / scale), chunk_size // scale
+    data = b"".join(
+        hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(math.ceil(size / 32))
+    )[:size]
+    (root / "model.safetensors").write_bytes(data)
+    chunks = tuple(hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, size, piece))
+    files = (FileEntry("model.safetensors", size, chunks),)
+    return Manifest(piece, files, _digest(piece, files)), root
+
+
+async def _broadcast(
+    n: int,
+    mode: str,
+    folder: Path,
+    template_bytes: float,
+    chunk_size: int,
+    link: float,
+    source: float,
+    latency: float,
+    scale: int,
+    in_flight: int,
+    max_uploads: int,
+) -> dict[str, Any]:
+    manifest, root = synthetic_template(folder / "source", template_bytes, chunk_size, scale)
+    names = [f"sim://worker-{i}" for i in range(n)]
+    capacity = {"source": float(source)}
+    for name in names:
+        capacity[f"{name}/up"] = capacity[f"{name}/down"] = float(link)
+    sim = _Simulation(Network(capacity, latency), scale)
+    sim.workers = {name: _Worker(sim, name, max_uploads) for name in names}
+    sim.attach(
+        ChunkDirectory(
+            whole_copies=lambda digest: {
+                w
+                for w, worker in sim.workers.items()
+                if digest in TemplateStore.of(worker).held  # type: ignore[arg-type]
+            },
+            connected=lambda: sim.workers.keys(),
+            max_uploads=max_uploads,
+        )
+    )
+    held: dict[str, float] = {}
+
+    async def copy(i: int, name: str) -> None:
+        worker = sim.workers[name]
+        planner = (
+            DirectoryPlanner(worker, manifest.digest) if mode == "p2p" else SourcePlanner()  # type: ignore[arg-type]
+        )
+        await fetch(
+            worker,  # type: ignore[arg-type]
+            manifest,
+            folder / f"worker-{i}" / "copy",
+            root,
+            planner=planner,
+            reader=_SimReader(sim, name),
+            in_flight=in_flight,
+            timeout=None,
+        )
+        held[name] = asyncio.get_running_loop().time()
+
+    real = time.perf_counter()
+    await asyncio.gather(*(copy(i, name) for i, name in enumerate(names)))
+    times = sorted(held.values())
+    uploads = [sim.uploads.get(name, 0.0) for name in names]
+    return {
+        "n": n,
+        "mode": mode,
+        "seconds": times[-1],
+        "median_seconds": times[len(times) // 2],
+        "first_seconds": times[0],
+        "source_bytes": sim.network.moved.get("source", 0.0),
+        "peer_bytes": sum(uploads),
+        "max_peer_upload_bytes": max(uploads),
+        "template_bytes": manifest.total_bytes * scale,
+        "chunks": manifest.nchunks,
+        "scheduler_seconds": sim.scheduler_seconds,
+        "real_seconds": time.perf_counter() - real,
+    }
+
+
+def simulate(
+    n: int,
+    mode: str = "p2p",
+    *,
+    template_bytes: float = 3.4e9,
+    chunk_size: int = 64 << 20,
+    link: float = 1e9,
+    source: float = 1e9,
+    latency: float = 0.0002,
+    scale: int = 1 << 18,
+    in_flight: int = 4,
+    max_uploads: int = 4,
+) -> dict[str, Any]:
+    """``n`` workers that join at once copy a template; when the last holds it, and traffic.
+
+    ``mode`` ``"p2p"`` plans from the chunk directory, ``"source"`` reads everything from
+    the source. ``link`` is each worker's upload and download capacity, ``source`` the
+    source's, both in bytes per second; ``latency`` is one way, in seconds.
+
+    Returns a dict: ``seconds`` (simulated, until the last worker holds the whole template;
+    also ``median_seconds`` and ``first_seconds``), ``source_bytes``, ``peer_bytes``,
+    ``max_peer_upload_bytes`` (the busiest uploader), ``scheduler_seconds`` (real time in
+    the directory) and ``real_seconds`` (what the simulation took).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    loop = VirtualClockLoop()
+    # A peer's deadline for a chunk is reckoned from its size on disk, ``scale`` times smaller
+    # than the size simulated: the slowest rate allowed shrinks with it.
+    slowest = dask.utils.parse_bytes(
+        str(dask.config.get("pcm.template.peer-min-bandwidth")).removesuffix("/s")
+    )
+    try:
+        with (
+            dask.config.set({"pcm.template.peer-min-bandwidth": max(1, slowest // scale)}),
+            tempfile.TemporaryDirectory(prefix="pcm-broadcast-") as folder,
+        ):
+            return loop.run_until_complete(
+                _broadcast(
+                    n,
+                    mode,
+                    Path(folder),
+                    template_bytes,
+                    chunk_size,
+                    link,
+                    source,
+                    latency,
+                    scale,
+                    in_flight,
+                    max_uploads,
+                )
+            )
+    finally:
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
