@@ -8,18 +8,30 @@ worker alone reads the model in about ``--load-seconds`` (5 s by default), share
 concurrent readers like one NFS server under load. Loads may run concurrently (one host
 stands for N hosts), so the link and the peers, not a host lock, decide.
 
-Each row times from ``cluster.scale(N)`` (worker processes start, connect, fetch, load) until
-every worker reports its context ready. The transfer rate between peers is compared with a raw
-loopback socket copy of the same bytes on this machine.
+The N workers start first (``startup_s``); then the context is registered and each row times
+from there until every worker holds the whole template (``held_s``: the broadcast) and until
+every one has its model ready (``ready_s``: the broadcast, then N model builds sharing the
+host's cores). A single copy between two workers, nothing else running, is compared with a
+raw loopback socket copy of the same bytes measured in the same run.
+
+``--simulate`` instead runs the broadcast to up to 256 workers in simulated time
+(:mod:`dask_pcm.testing.broadcast`: the real chunk directory, fetch and serve code on one
+event loop; per-worker links and a source of ``--link`` and ``--source`` bytes per second;
+a template of ``--template-gb``, by default SmolLM2-1.7B in bfloat16), and fits the time
+until the last worker holds it against log2 N (p2p) and N (source).
 
 Examples::
 
     python benchmarks/scale_out.py --quick
     python benchmarks/scale_out.py --json scale_out.json     # N = 1, 2, 4, 8
+    python benchmarks/scale_out.py --simulate --json sim.json  # N = 1 ... 256, simulated
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
+import math
 import socket
 import threading
 import time
@@ -38,6 +50,8 @@ from dask_pcm.testing.throttle import SharedBandwidth
 COLUMNS = [
     ("n", "N", "d"),
     ("mode", "mode", "s"),
+    ("startup_seconds", "startup_s", ".1f"),
+    ("held_seconds", "held_s", ".2f"),
     ("seconds", "ready_s", ".2f"),
     ("mean_fetch_seconds", "fetch_s", ".2f"),
     ("mean_load_seconds", "load_s", ".2f"),
@@ -45,16 +59,35 @@ COLUMNS = [
     ("mb_from_peers", "MB_peers", ".0f"),
 ]
 
+SIM_COLUMNS = [
+    ("n", "N", "d"),
+    ("mode", "mode", "s"),
+    ("seconds", "held_s", ".2f"),
+    ("median_seconds", "median_s", ".2f"),
+    ("source_gb", "GB_source", ".1f"),
+    ("peer_gb", "GB_peers", ".1f"),
+    ("max_upload_gb", "GB_busiest_peer", ".1f"),
+    ("scheduler_seconds", "directory_s", ".2f"),
+    ("real_seconds", "real_s", ".1f"),
+]
+
 TRANSFER_COLUMNS = [
     ("chunk_mib", "chunk_MiB", "d"),
     ("template_mb", "template_MB", ".0f"),
     ("mb_per_s", "MB/s", ".0f"),
+    ("first_mb_per_s", "first_MB/s", ".0f"),
     ("peak_extra_rss_mb", "peak_extra_RSS_MB", ".0f"),
 ]
 
 
-def loopback_rate(nbytes: int, block: int = 1 << 20) -> float:
-    """Bytes per second of a plain socket copy of ``nbytes`` over loopback."""
+def loopback_rate(nbytes: int, block: int = 1 << 20, verify: bool = False) -> float:
+    """Bytes per second of a plain socket copy of ``nbytes`` over loopback.
+
+    The receiver reads into one reused buffer (no allocation per read: a fresh buffer per
+    ``recv`` makes the first copy in a process up to 3x slower, as glibc maps and unmaps
+    each one); with ``verify``, it also hashes what it reads (SHA-256), as a peer copy
+    must: the ceiling of a verified copy when both ends share this machine's cores.
+    """
     a, b = socket.socketpair()
     payload = bytes(block)
 
@@ -66,15 +99,16 @@ def loopback_rate(nbytes: int, block: int = 1 << 20) -> float:
             left -= n
         a.shutdown(socket.SHUT_WR)
 
+    buffer = memoryview(bytearray(block))
+    digest = hashlib.sha256()
     start = time.perf_counter()
     sender = threading.Thread(target=send)
     sender.start()
     got = 0
-    while True:
-        chunk = b.recv(block)
-        if not chunk:
-            break
-        got += len(chunk)
+    while n := b.recv_into(buffer):
+        got += n
+        if verify:
+            digest.update(buffer[:n])
     sender.join()
     seconds = time.perf_counter() - start
     a.close()
@@ -83,7 +117,20 @@ def loopback_rate(nbytes: int, block: int = 1 << 20) -> float:
     return nbytes / seconds
 
 
+def loopback(nbytes: int, repeats: int = 3) -> dict:
+    """The best of ``repeats`` raw and verified loopback copies (bytes per second)."""
+    return {
+        "loopback_mb_per_s": max(loopback_rate(nbytes) for _ in range(repeats)) / 1e6,
+        "verified_loopback_mb_per_s": max(
+            loopback_rate(nbytes, verify=True) for _ in range(repeats)
+        )
+        / 1e6,
+    }
+
+
 def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
+    """N workers started, then the context registered: seconds until all hold the template,
+    and until all are ready."""
     settings = {
         "pcm.template.source-bandwidth": int(bytes_per_second),
         "pcm.template.peer-to-peer": mode == "p2p",
@@ -94,14 +141,20 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
         dask_pcm.local_cluster(n_workers=0, dashboard_address=":0") as cluster,
         Client(cluster) as client,
     ):
-        dask_pcm.register(client, dask_pcm.causal_lm(model, name="llm", device="cpu"))
-        SharedBandwidth(bytes_per_second, name="template-source").reset()
         start = time.perf_counter()
         cluster.scale(n)
+        client.wait_for_workers(n, timeout=300)
+        startup = time.perf_counter() - start
+        SharedBandwidth(bytes_per_second, name="template-source").reset()
+        start = time.perf_counter()
+        dask_pcm.register(client, dask_pcm.causal_lm(model, name="llm", device="cpu"))
+        held = None
         while True:
             table = dask_pcm.status(client, ["llm"])
             if (table["state"] == "failed").any():
                 raise RuntimeError(f"a worker failed: {table['error'].dropna().tolist()}")
+            if held is None and len(table) == n and table["template_held"].all():
+                held = time.perf_counter() - start
             if len(table) == n and (table["state"] == "ready").all():
                 break
             time.sleep(0.05)
@@ -110,6 +163,8 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
     return {
         "n": n,
         "mode": mode,
+        "startup_seconds": startup,
+        "held_seconds": held if held is not None else seconds,
         "seconds": seconds,
         "mean_fetch_seconds": float(table["fetch_seconds"].mean()),
         "mean_load_seconds": float(table["load_seconds"].mean()),
@@ -177,8 +232,10 @@ async def _fetch_sampled(manifest_json: str, dest: str, dask_worker=None) -> dic
 def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
     """One worker copies the whole template from another, nothing else running.
 
-    Returns the best rate of ``rounds`` copies and the largest RSS growth of the copying
-    worker during any of them (what the copy holds at once: the chunks in flight).
+    Returns the best rate of ``rounds`` copies, the first copy's (into pages the process
+    has not touched yet, as a worker joining a cluster copies), and the largest RSS growth
+    of the copying worker during any of them (what the copy holds at once: the chunks in
+    flight).
     """
     manifest, root = build_manifest(model, chunk_mib << 20)
     with (
@@ -201,13 +258,117 @@ def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
         "chunk_mib": chunk_mib,
         "template_mb": manifest.total_bytes / 1e6,
         "mb_per_s": manifest.total_bytes / min(r["seconds"] for r in runs) / 1e6,
+        "first_mb_per_s": manifest.total_bytes / runs[0]["seconds"] / 1e6,
         "peak_extra_rss_mb": max(r["peak_extra_rss"] for r in runs) / 1e6,
     }
 
 
+def simulated(args: argparse.Namespace) -> None:
+    """``--simulate``: the broadcast to up to 256 workers in simulated time."""
+    from dask_pcm.testing.broadcast import simulate
+
+    top = 64 if args.quick else 256
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1 << k for k in range(9)]
+    sizes = [n for n in sizes if n <= top or args.sizes]
+    template = args.template_gb * 1e9
+    print(
+        f"simulated: template {args.template_gb:g} GB in chunks of {args.chunk_mib} MiB, "
+        f"links {args.link / 1e9:g} GB/s per worker each way, source {args.source / 1e9:g} GB/s"
+    )
+    rows = []
+    for n in sizes:
+        for mode in ("source", "p2p"):
+            r = simulate(
+                n,
+                mode,
+                template_bytes=template,
+                chunk_size=args.chunk_mib << 20,
+                link=args.link,
+                source=args.source,
+            )
+            r.update(
+                source_gb=r["source_bytes"] / 1e9,
+                peer_gb=r["peer_bytes"] / 1e9,
+                max_upload_gb=r["max_peer_upload_bytes"] / 1e9,
+                link_bytes_per_second=args.link,
+                source_bytes_per_second=args.source,
+                chunk_mib=args.chunk_mib,
+            )
+            rows.append(r)
+            print(
+                f"  N={n} {mode}: {r['seconds']:.2f} s ({r['real_seconds']:.1f} s real)", flush=True
+            )
+    h.print_table(rows, SIM_COLUMNS)
+    fits = fit(rows)
+    by = {(r["n"], r["mode"]): r["seconds"] for r in rows}
+    print(
+        f"\np2p: {fits['p2p'][0]:.2f} + {fits['p2p'][1]:.3f} * log2(N) s; "
+        f"source: {fits['source'][0]:.2f} + {fits['source'][1]:.3f} * N s"
+    )
+    big = max(n for n, _ in by)
+    for ref in (1, 8):
+        if ref < big and (ref, "p2p") in by:
+            print(f"p2p held at N={big} / N={ref}: {by[(big, 'p2p')] / by[(ref, 'p2p')]:.2f}")
+    run = uuid.uuid4().hex[:8]
+    for r in rows:
+        r["run"] = run
+        r["fit_p2p"], r["fit_source"] = fits["p2p"], fits["source"]
+    h.write_json(args.json, rows)
+    plot_simulated(args.json, rows, fits)
+
+
+def fit(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """Least-squares lines: p2p seconds against log2 N, source seconds against N."""
+    out = {}
+    for mode, x in (("p2p", math.log2), ("source", float)):
+        pts = [(x(r["n"]), r["seconds"]) for r in rows if r["mode"] == mode]
+        mx = sum(p[0] for p in pts) / len(pts)
+        my = sum(p[1] for p in pts) / len(pts)
+        sxx = sum((p[0] - mx) ** 2 for p in pts)
+        slope = sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx if sxx else 0.0
+        out[mode] = (my - slope * mx, slope)
+    return out
+
+
+def plot_simulated(path: Path | None, rows: list[dict], fits: dict) -> None:
+    """Seconds until the last worker holds the template against N (log scales), with fits."""
+    if path is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ns = sorted({r["n"] for r in rows})
+    for mode, shape, line in (
+        ("source", "s", lambda n: fits["source"][0] + fits["source"][1] * n),
+        ("p2p", "o", lambda n: fits["p2p"][0] + fits["p2p"][1] * math.log2(n)),
+    ):
+        pts = sorted((r["n"], r["seconds"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], shape, label=mode)
+        ax.plot(ns, [line(n) for n in ns], "--", linewidth=0.8, color=ax.lines[-1].get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("N workers joining at once")
+    ax.set_ylabel("s until the last holds the template")
+    ax.set_title("Simulated broadcast (dashed: source a+bN, p2p a+b log2 N)", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {png}")
+
+
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", help="comma-separated N (default 1,2,4,8; --quick 2)")
+    p.add_argument(
+        "--sizes",
+        help="comma-separated N (default 1,2,4,8; --quick 2; "
+        "--simulate 1,2,...,256, --quick to 64)",
+    )
     p.add_argument(
         "--load-seconds", type=float, default=5.0, help="one source read alone (default 5 s)"
     )
@@ -216,7 +377,15 @@ def main() -> None:
         action="store_true",
         help="only the copy between two workers alone: rate and memory held, per chunk size",
     )
+    p.add_argument("--simulate", action="store_true", help="the broadcast in simulated time")
+    p.add_argument("--template-gb", type=float, default=3.4, help="--simulate: template size")
+    p.add_argument("--chunk-mib", type=int, default=64, help="--simulate: chunk size (64)")
+    p.add_argument("--link", type=float, default=1e9, help="--simulate: B/s per worker link")
+    p.add_argument("--source", type=float, default=1e9, help="--simulate: B/s of the source")
     args = p.parse_args()
+    if args.simulate:
+        simulated(args)
+        return
     sizes = [int(s) for s in (args.sizes or ("2" if args.quick else "1,2,4,8")).split(",")]
     model = h.model_path(args)
     manifest, _ = build_manifest(model)
@@ -228,55 +397,67 @@ def main() -> None:
     rows: list[dict] = []
     with h._worker_environ():
         transfers = [transfer_alone(model, mib) for mib in ((64,) if args.quick else (16, 64))]
+        # The baseline in the same run, right after the copies it is compared with.
+        loop = loopback(manifest.total_bytes)
         for n in [] if args.transfer_only else sizes:
             for mode in ("source", "p2p"):
                 rows.append(scale_out(n, mode, model, rate))
-                print(f"  N={n} {mode}: {rows[-1]['seconds']:.2f} s", flush=True)
+                r = rows[-1]
+                print(
+                    f"  N={n} {mode}: held {r['held_seconds']:.2f} s, ready {r['seconds']:.2f} s",
+                    flush=True,
+                )
     if rows:
         h.print_table(rows, COLUMNS)
-    loop = loopback_rate(manifest.total_bytes)
     print("\none worker copying the template from another, nothing else running:")
     h.print_table(transfers, TRANSFER_COLUMNS)
-    for t in transfers:
-        print(
-            f"chunks of {t['chunk_mib']} MiB: {t['mb_per_s'] / (loop / 1e6):.2f} of loopback; "
-            f"memory held {t['peak_extra_rss_mb'] / (t['chunk_mib'] * 1.048576):.1f} chunks, "
-            f"{t['peak_extra_rss_mb'] / t['template_mb']:.2f} of the template"
-        )
-    peer_rates = [r["peer_mb_per_s"] for r in rows if r["peer_mb_per_s"]]
+    raw, verified = loop["loopback_mb_per_s"], loop["verified_loopback_mb_per_s"]
     print(
-        f"\nraw loopback socket copy of {manifest.total_bytes / 1e6:.0f} MB: {loop / 1e6:.0f} MB/s"
+        f"loopback socket copy of {manifest.total_bytes / 1e6:.0f} MB (best of 3): raw "
+        f"{raw:.0f} MB/s, with SHA-256 of what is received {verified:.0f} MB/s"
     )
-    if peer_rates:
-        best = max(peer_rates)
+    for t in transfers:
+        t["of_loopback"] = t["mb_per_s"] / raw
+        t["of_verified_loopback"] = t["mb_per_s"] / verified
         print(
-            f"peer-to-peer transfer during the scale-out (fetch, verify, write): best {best:.0f} MB/s, "
-            f"{best / (loop / 1e6):.2f} of loopback"
+            f"chunks of {t['chunk_mib']} MiB: {t['of_loopback']:.2f} of raw loopback, "
+            f"{t['of_verified_loopback']:.2f} of verified loopback (first copy "
+            f"{t['first_mb_per_s'] / raw:.2f}); memory held "
+            f"{t['peak_extra_rss_mb'] / (t['chunk_mib'] * 1.048576):.1f} chunks, "
+            f"{t['peak_extra_rss_mb'] / t['template_mb']:.2f} of the template"
         )
     for n in sorted({r["n"] for r in rows}):
         src = next(r for r in rows if r["n"] == n and r["mode"] == "source")
         p2p = next(r for r in rows if r["n"] == n and r["mode"] == "p2p")
-        print(f"N={n}: source/p2p time {src['seconds'] / p2p['seconds']:.2f}")
+        print(
+            f"N={n}: source/p2p held {src['held_seconds'] / p2p['held_seconds']:.2f}, "
+            f"ready {src['seconds'] / p2p['seconds']:.2f}"
+        )
+    one = next((r for r in rows if r["n"] == 1 and r["mode"] == "p2p"), None)
+    for r in rows:
+        if one and r["mode"] == "p2p" and r["n"] > 1:
+            print(f"p2p held at N={r['n']} / N=1: {r['held_seconds'] / one['held_seconds']:.2f}")
     run = uuid.uuid4().hex[:8]  # one id for the rows of one invocation
     for r in rows:
-        r["loopback_mb_per_s"] = loop / 1e6
+        r.update(loop)
         r["transfer_alone"] = transfers
         r["run"] = run
-    h.write_json(args.json, rows or [{"transfer_alone": transfers}])
+    h.write_json(args.json, rows or [{"transfer_alone": transfers, **loop}])
     plot(args.json, rows)
 
 
 def plot(path: Path | None, rows: list[dict]) -> None:
-    """Seconds until every joining worker is ready, per N and mode (the PNG beside ``path``)."""
+    """Seconds until every worker holds the template, per N and mode (the PNG beside
+    ``path``)."""
     if rows:
         h.plot_bars(
             path,
             rows,
             "n",
-            "seconds",
+            "held_seconds",
             group="mode",
-            title="N workers joining at once, template from the source or peer to peer",
-            ylabel="s until all ready (lower is better)",
+            title="N workers, template from the source or peer to peer",
+            ylabel="s until all hold it (lower is better)",
         )
 
 

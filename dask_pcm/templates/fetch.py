@@ -388,6 +388,8 @@ async def fetch(
                     fruitless += 1
             if fruitless >= _MAX_FRUITLESS:
                 raise chunks.failure(f"{fruitless} chunk requests in a row brought nothing")
+        await asyncio.gather(*running.values())  # the last reports to the planner
+        running.clear()
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
     except BaseException:

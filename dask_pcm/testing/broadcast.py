@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import heapq
+import itertools
 import math
 import os
 import selectors
@@ -70,9 +72,12 @@ class _VirtualSelector(selectors.DefaultSelector):
         events = super().select(0)
         if events or timeout == 0:
             return events
-        if self.loop.threads or timeout is None:
-            # Real work in a thread (or nothing scheduled): wait for it, the clock stopped.
-            return super().select(None if timeout is None else 1.0)
+        if self.loop.threads:  # real work in a thread: wait for it, the clock stopped
+            return super().select(1.0)
+        if timeout is None:
+            raise RuntimeError(
+                "the simulation is stuck: every coroutine waits, and for no timer or thread"
+            )
         self.loop.now += timeout
         return []
 
@@ -98,67 +103,92 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def _thread_done(self, _: Any) -> None:
         self.threads -= 1
 
+    def shut(self) -> None:
+        """Stop the executor's threads (waited for in real time, by a thread of its own)
+        and close."""
+        self.threads += 1
+        try:
+            self.run_until_complete(self.shutdown_default_executor())
+        finally:
+            self.threads -= 1
+            self.close()
+
 
 # -- the network ----------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)
 class _Flow:
     links: tuple[str, ...]
-    left: float
+    left: float  # bytes still to move at ``since``
     done: asyncio.Future[None]
+    since: float
     rate: float = 0.0
+    version: int = 0  # which of its entries in the finish heap is current
 
 
 class Network:
-    """Links with capacities (bytes per second) shared equally by the flows crossing them."""
+    """Links with capacities (bytes per second) shared equally by the flows crossing them.
+
+    A flow moves at the smallest share along its path. A flow starting or ending changes
+    the shares of the flows on its links only, so only those are recomputed; when each
+    flow ends is kept in a heap.
+    """
 
     def __init__(self, capacity: dict[str, float], latency: float) -> None:
         self.capacity = capacity
         self.latency = latency
-        self.flows: list[_Flow] = []
         self.moved: dict[str, float] = {}  # bytes through each link
-        self._last = 0.0
+        self._on: dict[str, set[_Flow]] = {link: set() for link in capacity}
+        self._finish: list[tuple[float, int, _Flow, int]] = []
+        self._seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
 
     async def transfer(self, links: tuple[str, ...], nbytes: float) -> None:
         """Move ``nbytes`` through ``links`` (after one latency)."""
         await asyncio.sleep(self.latency)
         loop = asyncio.get_running_loop()
-        self._advance(loop.time())
-        flow = _Flow(links, float(nbytes), loop.create_future())
+        flow = _Flow(links, float(nbytes), loop.create_future(), loop.time())
         for link in links:
             self.moved[link] = self.moved.get(link, 0.0) + nbytes
-        self.flows.append(flow)
-        self._reschedule(loop)
+            self._on[link].add(flow)
+        self._rerate({f for link in links for f in self._on[link]}, loop.time())
+        self._arm(loop)
         await flow.done
 
-    def _advance(self, now: float) -> None:
-        elapsed, self._last = now - self._last, now
-        for flow in self.flows:
-            flow.left -= flow.rate * elapsed
+    def _rerate(self, flows: set[_Flow], now: float) -> None:
+        for flow in flows:
+            flow.left -= flow.rate * (now - flow.since)
+            flow.since = now
+            flow.rate = min(self.capacity[link] / len(self._on[link]) for link in flow.links)
+            flow.version += 1
+            finish = now + max(flow.left, 0.0) / flow.rate
+            heapq.heappush(self._finish, (finish, next(self._seq), flow, flow.version))
 
-    def _reschedule(self, loop: asyncio.AbstractEventLoop) -> None:
-        finished = [f for f in self.flows if f.left <= 1e-3]
-        self.flows = [f for f in self.flows if f.left > 1e-3]
-        for flow in finished:
-            if not flow.done.done():
-                flow.done.set_result(None)
-        sharing: dict[str, int] = {}
-        for flow in self.flows:
-            for link in flow.links:
-                sharing[link] = sharing.get(link, 0) + 1
-        for flow in self.flows:
-            flow.rate = min(self.capacity[link] / sharing[link] for link in flow.links)
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        while self._finish and self._finish[0][3] != self._finish[0][2].version:
+            heapq.heappop(self._finish)  # superseded
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self.flows:
-            soonest = min(f.left / f.rate for f in self.flows)
-            self._timer = loop.call_later(soonest, self._tick, loop)
+        if self._finish:
+            self._timer = loop.call_at(self._finish[0][0], self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
-        self._advance(loop.time())
-        self._reschedule(loop)
+        now = loop.time()
+        ended: list[_Flow] = []
+        while self._finish and self._finish[0][0] <= now + 1e-9:
+            _, _, flow, version = heapq.heappop(self._finish)
+            if version == flow.version:
+                ended.append(flow)
+        touched: set[_Flow] = set()
+        for flow in ended:
+            flow.version += 1
+            for link in flow.links:
+                self._on[link].discard(flow)
+                touched |= self._on[link]
+            flow.done.set_result(None)
+        self._rerate(touched.difference(ended), now)
+        self._arm(loop)
 
 
 # -- simulated workers, comms and scheduler ---------------------------------------------------
@@ -348,18 +378,14 @@ async def _broadcast(
         capacity[f"{name}/up"] = capacity[f"{name}/down"] = float(link)
     sim = _Simulation(Network(capacity, latency), scale)
     sim.workers = {name: _Worker(sim, name, max_uploads) for name in names}
+    held: dict[str, float] = {}  # worker -> when it held the whole template
     sim.attach(
         ChunkDirectory(
-            whole_copies=lambda digest: {
-                w
-                for w, worker in sim.workers.items()
-                if digest in TemplateStore.of(worker).held  # type: ignore[arg-type]
-            },
+            whole_copies=lambda digest: set(held),
             connected=lambda: sim.workers.keys(),
             max_uploads=max_uploads,
         )
     )
-    held: dict[str, float] = {}
 
     async def copy(i: int, name: str) -> None:
         worker = sim.workers[name]
@@ -453,5 +479,4 @@ def simulate(
                 )
             )
     finally:
-        loop.run_until_complete(loop.shutdown_default_executor())
-        loop.close()
+        loop.shut()

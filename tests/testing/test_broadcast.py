@@ -1,0 +1,84 @@
+"""The simulated broadcast: its clock, its links, and what it shows of the real protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from dask_pcm.testing.broadcast import Network, VirtualClockLoop, simulate
+
+GB = 1e9
+
+
+def run(coro):
+    loop = VirtualClockLoop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.shut()
+
+
+def test_the_clock_jumps_over_sleeps_and_stands_still_for_threads():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        after_sleep = loop.time()
+        await asyncio.to_thread(time.sleep, 0.2)  # real work: no simulated time passes
+        return after_sleep, loop.time()
+
+    start = time.perf_counter()
+    after_sleep, after_thread = run(main())
+    assert after_sleep == pytest.approx(3600)
+    assert after_thread == after_sleep
+    assert time.perf_counter() - start < 5
+
+
+def test_flows_share_a_link_equally_and_speed_up_when_one_ends():
+    async def main():
+        net = Network({"a": 100.0, "b": 100.0, "c": 50.0}, latency=0.0)
+        loop = asyncio.get_running_loop()
+        ends = {}
+
+        async def move(name, links, nbytes):
+            await net.transfer(links, nbytes)
+            ends[name] = loop.time()
+
+        await asyncio.gather(
+            move("short", ("a",), 100),  # 50 B/s while shared: ends at 2 s
+            move("long", ("a",), 200),  # 50 B/s for 2 s, then 100 B/s: ends at 3 s
+            move("narrow", ("b", "c"), 100),  # c is the bottleneck: 50 B/s, 2 s
+        )
+        return ends, net.moved
+
+    ends, moved = run(main())
+    assert ends == pytest.approx({"short": 2.0, "long": 3.0, "narrow": 2.0})
+    assert moved == {"a": 300, "b": 100, "c": 100}
+
+
+def test_every_worker_gets_every_byte_and_the_source_is_read_once():
+    n, template = 12, 0.5 * GB
+    p2p = simulate(n, "p2p", template_bytes=template)
+    assert p2p["source_bytes"] == pytest.approx(p2p["template_bytes"])
+    assert p2p["peer_bytes"] == pytest.approx((n - 1) * p2p["template_bytes"])
+    # Nobody can hold it before its own 1 GB/s download link brought it all.
+    assert p2p["first_seconds"] >= template / GB
+    source = simulate(n, "source", template_bytes=template)
+    assert source["source_bytes"] == pytest.approx(n * source["template_bytes"])
+    assert source["peer_bytes"] == 0
+
+
+def test_from_the_source_alone_the_time_grows_linearly():
+    one = simulate(1, "source", template_bytes=GB)["seconds"]
+    four = simulate(4, "source", template_bytes=GB)["seconds"]
+    assert four / one == pytest.approx(4, rel=0.02)
+
+
+def test_peer_to_peer_the_time_grows_slowly_with_the_workers():
+    """3.4 GB over 1 GB/s links: 32 workers hold it little later than 4 (rounds of polling
+    and uploads queued on the first holders made it 34.7 s against 4.1 s at N=8)."""
+    four = simulate(4, "p2p")["seconds"]
+    many = simulate(32, "p2p")["seconds"]
+    assert many / four < 1.5
+    assert four < 2 * 3.4  # the source is read once, and the peers pass it on meanwhile
