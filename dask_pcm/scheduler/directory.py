@@ -1,11 +1,15 @@
-"""The chunk directory: who holds which chunk of a template being copied, and who reads
-which chunk from the source.
+"""The chunk directory: who holds which chunk of a template being copied, who reads which
+chunk from the source, and which uploads are planned from whom.
 
-Workers copying a template ask it for a plan (:meth:`ChunkDirectory.plan`) and report what
-they hold (:meth:`ChunkDirectory.have`); see :mod:`dask_pcm.templates.fetch`. Workers that
-join together thus split the source between them (a *lease* per chunk, at most
-:data:`SOURCE_LEASES` per worker at once) and exchange the rest. A worker that served a chunk
-with the wrong bytes is not offered for that chunk again.
+Workers copying a template ask it for a plan (:meth:`ChunkDirectory.plan_waiting`) whenever
+they can fetch another chunk, and report what they hold (:meth:`ChunkDirectory.have`); see
+:mod:`dask_pcm.templates.fetch`. The plan spreads the work the way a pipelined broadcast
+does: the source is read a few chunks at a time (a *lease* per chunk), so whole chunks come
+out of it early, one after another; each chunk someone holds is planned from its least busy
+holder, never one already serving ``pcm.template.max-uploads``, rarest chunks first, so
+every new holder starts passing its chunks on at once. A worker that served a chunk with the
+wrong bytes is not offered for that chunk again. ``benchmarks/scale_out.py --simulate``
+shows what this gives at 256 workers.
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ class ChunkDirectory:
         self.leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
-        # Uploads planned and not yet reported done: (worker, index) -> holder, and the
+        # Uploads planned and not yet reported done: worker -> {index: holder}, and the
         # number per holder.
-        self.planned: dict[str, dict[tuple[str, int], str]] = {}
+        self.planned: dict[str, dict[str, dict[int, str]]] = {}
         self.load: dict[str, Counter[str]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
         self._changed: dict[str, asyncio.Event] = {}
@@ -128,18 +132,24 @@ class ChunkDirectory:
         leases = self.leases.setdefault(digest, {})
         for index in [i for i, (_, until) in leases.items() if until < now]:
             del leases[index]
-        for index in missing:  # asked again: what was planned for it is over
-            self._done(digest, worker, index)
+        mine_planned = self.planned.setdefault(digest, {}).setdefault(worker, {})
+        if mine_planned:  # asked again: what was planned for those chunks is over
+            wanted = set(missing)
+            for index in [i for i in mine_planned if i in wanted]:
+                self._done(digest, worker, index)
         load = self.load.setdefault(digest, Counter())
-        # Rarest first (holder counts before bad ones and the asker are taken out: a guide).
-        ranked = sorted((len(holders.get(i, ())) + len(whole), random.random(), i) for i in missing)
+        # Rarest first, ties in random order (holder counts before bad ones and the asker
+        # are taken out: a guide).
+        count = {i: len(holders.get(i, ())) for i in missing}
+        order = list(missing)
+        random.shuffle(order)
+        order.sort(key=count.__getitem__)
+        nobody = [] if whole else [i for i in order if not count[i]]
         peers: dict[int, list[str]] = {}
-        nobody: list[int] = []
-        for count, _, index in ranked:
-            if count == 0:
-                nobody.append(index)
-                continue
+        for index in order:
             if len(peers) >= limit:
+                break
+            if not (count[index] or whole):
                 continue
             who = (holders.get(index, set()) | whole) - bad.get(index, set()) - {worker}
             if not who:
@@ -151,7 +161,7 @@ class ChunkDirectory:
                     PEERS_OFFERED, free, key=lambda w: (load[w], random.random())
                 )
                 peers[index] = offered
-                self.planned.setdefault(digest, {})[(worker, index)] = offered[0]
+                mine_planned[index] = offered[0]
                 load[offered[0]] += 1
         source: list[int] = []
         mine = sum(1 for w, _ in leases.values() if w == worker)
@@ -168,7 +178,7 @@ class ChunkDirectory:
 
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
-        holder = self.planned.get(digest, {}).pop((worker, index), None)
+        holder = self.planned.get(digest, {}).get(worker, {}).pop(index, None)
         if holder is not None:
             self.load[digest][holder] -= 1
 
@@ -224,6 +234,10 @@ class ChunkDirectory:
             for index in [i for i, (w, _) in leases.items() if w == worker]:
                 del leases[index]
         for digest, planned in self.planned.items():
-            for key in [k for k, holder in planned.items() if worker in (k[0], holder)]:
-                self.load[digest][planned.pop(key)] -= 1
+            for holder in planned.pop(worker, {}).values():
+                self.load[digest][holder] -= 1
+            for from_holders in planned.values():
+                for index in [i for i, holder in from_holders.items() if holder == worker]:
+                    del from_holders[index]
+            self.load[digest].pop(worker, None)
         self._notify()

@@ -1,17 +1,21 @@
 """Copying a template to a worker's disk: chunk by chunk, from peers or the source.
 
 :func:`fetch` assembles a template (its :class:`~dask_pcm.templates.manifest.Manifest`) in a
-:class:`~dask_pcm.templates.manifest.TemplateWriter`, in rounds: a *planner* says where each
-missing chunk should come from now, the chunks are fetched (a few at once), verified against
-their SHA-256 and written, and the planner is told. :class:`DirectoryPlanner` asks the
-scheduler's chunk directory (:mod:`dask_pcm.scheduler.directory`): peers for every chunk
-someone holds, whole copies and partial ones, and a source lease for a couple of chunks nobody
-holds, so workers that join together split the source between them and share the rest;
-meanwhile the copy serves what it already holds (:mod:`dask_pcm.templates.serve`).
+:class:`~dask_pcm.templates.manifest.TemplateWriter`, a few chunks at a time: whenever a
+slot is free, a *planner* says which missing chunks to fetch now and where from; each is
+fetched, verified against its SHA-256 and written, and the planner is told.
+:class:`DirectoryPlanner` asks the scheduler's chunk directory
+(:mod:`dask_pcm.scheduler.directory`): the rarest chunks first, each from the least busy peer
+holding it (whole copies and partial ones), and a source lease for chunks nobody holds, a
+few at a time across the cluster; with nothing to plan it holds the answer until something
+changes, so a chunk is passed on as soon as a peer has it. Workers that join together thus
+read the source once between them and pass each chunk on while the next is read, and the
+copy serves what it already holds (:mod:`dask_pcm.templates.serve`).
 :class:`SourcePlanner` (``pcm.template.peer-to-peer: false``) plans every chunk from the
 source. Source reads go through a :class:`~dask_pcm.templates.reader.SourceReader` (which
 tests and benchmarks replace with a throttled one). Memory held at once is bounded by the
-chunks in flight, never the template's size.
+chunks in flight, never the template's size. :mod:`dask_pcm.testing.broadcast` runs this
+code for hundreds of simulated workers.
 
 Faults are bounded, never retried forever: every chunk request has a deadline
 (:func:`dask_pcm.config.peer_deadline`), after which its connection is aborted; a peer that
@@ -19,8 +23,8 @@ fails once, or serves :data:`MAX_BAD_CHUNKS` chunks that fail verification, is d
 copy (one warning per peer) and the directory stops offering it for those chunks; what no
 usable peer holds comes from the source; the whole copy ends with a
 :class:`~dask_pcm.TemplateFetchError` naming every peer and what it did after
-``pcm.template.fetch-timeout``, or after ``_MAX_FRUITLESS_ROUNDS`` rounds in a row that
-brought no chunk.
+``pcm.template.fetch-timeout``, or after ``_MAX_FRUITLESS`` chunk requests in a row that
+brought nothing.
 """
 
 from __future__ import annotations

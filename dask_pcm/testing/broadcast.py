@@ -69,6 +69,10 @@ class _VirtualSelector(selectors.DefaultSelector):
         self.loop = loop
 
     def select(self, timeout: float | None = None) -> list[Any]:
+        if not self.loop.threads and timeout:
+            # Nothing outside the loop can wake it: straight to the next timer.
+            self.loop.now += timeout
+            return []
         events = super().select(0)
         if events or timeout == 0:
             return events
