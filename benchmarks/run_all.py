@@ -34,6 +34,7 @@ SCRIPTS = {
     "batch_sizes": "batch_sizes.py",  # RQ2: batch sizes at partial and full
     "preemption": "preemption.py",  # RQ3: throughput under preemption
     "scale_out": "scale_out.py",  # RQ4: workers joining at once, peer to peer
+    "broadcast": "scale_out.py --simulate",  # RQ4 at 256 workers, simulated time
     "peers": "peers.py",  # dask_pcm against Ray Data and plain Dask
     "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
     "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
@@ -74,7 +75,8 @@ def main() -> None:
     start = time.perf_counter()
     for name in names:
         target = out / f"{name}.json"
-        cmd = [sys.executable, str(HERE / SCRIPTS[name]), *passthrough, "--json", str(target)]
+        script, *extra = SCRIPTS[name].split()
+        cmd = [sys.executable, str(HERE / script), *extra, *passthrough, "--json", str(target)]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=HERE).returncode

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import math
+import os
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import _harness as h
 import dask
+import psutil
 from distributed import Client
 
 import dask_pcm
@@ -53,6 +55,7 @@ COLUMNS = [
     ("mode", "mode", "s"),
     ("startup_seconds", "startup_s", ".1f"),
     ("held_seconds", "held_s", ".2f"),
+    ("held_cpu_floor_seconds", "held_cpu_s/cores", ".2f"),
     ("seconds", "ready_s", ".2f"),
     ("mean_fetch_seconds", "fetch_s", ".2f"),
     ("mean_load_seconds", "load_s", ".2f"),
@@ -148,13 +151,15 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
         client.wait_for_workers(n, timeout=300)
         startup = time.perf_counter() - start
         SharedBandwidth(bytes_per_second, name="template-source").reset()
-        phases = {}
+        phases, cpu = {}, {}
         for level in ("partial", "full"):  # register returns once every worker is ready
+            before = _cpu_seconds(client)
             start = time.perf_counter()
             dask_pcm.register(
                 client, dask_pcm.causal_lm(model, name=level, device="cpu", level=level)
             )
             phases[level] = time.perf_counter() - start
+            cpu[level] = _cpu_seconds(client) - before
             table = dask_pcm.status(client, [level])
             if len(table) != n or not (table["state"] == "ready").all():
                 raise RuntimeError(f"not ready at {level}: {table[['worker', 'state', 'error']]}")
@@ -166,6 +171,10 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
         "mode": mode,
         "startup_seconds": startup,
         "held_seconds": phases["partial"],
+        # CPU time of every process of the cluster during the broadcast, over the cores:
+        # the least the broadcast could take on this host, whatever the protocol.
+        "held_cpu_seconds": cpu["partial"],
+        "held_cpu_floor_seconds": cpu["partial"] / (os.cpu_count() or 1),
         "seconds": phases["partial"] + phases["full"],
         "mean_fetch_seconds": float(table["fetch_seconds"].mean()),
         "mean_load_seconds": float(loads["load_seconds"].mean()),
@@ -177,6 +186,17 @@ def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
             else None
         ),
     }
+
+
+def _cpu_seconds(client: Client) -> float:
+    """CPU seconds (user and system) used so far by this process (client, scheduler and
+    nannies) and every worker process."""
+
+    def used() -> float:
+        times = psutil.Process().cpu_times()
+        return times.user + times.system
+
+    return used() + sum(client.run(used).values())
 
 
 def _hold(manifest_json: str, root: str, dask_worker=None) -> None:
