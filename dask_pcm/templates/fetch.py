@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +43,7 @@ from dask_pcm.exceptions import ChunkError, TemplateFetchError
 from dask_pcm.protocol import CHUNK_HAVE_OP, CHUNK_OP, CHUNK_PLAN_OP
 from dask_pcm.templates.manifest import Manifest, TemplateWriter
 from dask_pcm.templates.reader import SourceReader, source_reader
+from dask_pcm.templates.report import FetchReport, PeerRecord
 from dask_pcm.templates.serve import TemplateStore
 
 if TYPE_CHECKING:
@@ -97,51 +97,6 @@ class SourcePlanner:
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
         pass
-
-
-@dataclass
-class PeerRecord:
-    """What one peer did during one template copy."""
-
-    chunks: int = 0
-    corrupted: int = 0
-    dropped: str | None = None  # why it is no longer asked, for this copy
-
-    def describe(self) -> str:
-        text = f"served {self.chunks} chunk(s)"
-        if self.corrupted:
-            text += f", {self.corrupted} corrupted"
-        return text + (f", dropped ({self.dropped})" if self.dropped else "")
-
-
-@dataclass
-class FetchReport:
-    """Where the bytes of one template copy came from, and what each peer did."""
-
-    bytes_from_peers: int = 0
-    bytes_from_source: int = 0
-    chunks_from_peers: int = 0
-    chunks_from_source: int = 0
-    corrupted: int = 0
-    rounds: int = 0
-    seconds: float = 0.0
-    peers: dict[str, PeerRecord] = field(default_factory=dict)
-
-    @property
-    def failed_peers(self) -> list[str]:
-        """Peers dropped during the copy (unreachable, too slow, or serving bad chunks)."""
-        return [p for p, r in self.peers.items() if r.dropped]
-
-    def describe_peers(self) -> str:
-        if not self.peers:
-            return "no peer held it"
-        return "; ".join(f"{p} {r.describe()}" for p, r in self.peers.items())
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "peers"}
-        out["failed_peers"] = self.failed_peers
-        out["peers"] = {p: r.describe() for p, r in self.peers.items()}
-        return out
 
 
 # Outcomes of asking a peer for one chunk.

@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 from dask_pcm import config
 from dask_pcm.exceptions import TemplateFetchError
 from dask_pcm.protocol import ContextStatus
-from dask_pcm.templates.fetch import FetchReport, Planner, SourcePlanner, fetch
+from dask_pcm.templates.fetch import Planner, SourcePlanner, fetch
 from dask_pcm.templates.local import local_copy
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.reader import source_reader
+from dask_pcm.templates.report import FetchReport
 from dask_pcm.templates.serve import TemplateStore
 from dask_pcm.templates.sources import resolve_source, template_files
 

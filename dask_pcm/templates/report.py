@@ -1,0 +1,51 @@
+"""What one template copy did: bytes from peers and the source, and each peer's part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PeerRecord:
+    """What one peer did during one template copy."""
+
+    chunks: int = 0
+    corrupted: int = 0
+    dropped: str | None = None  # why it is no longer asked, for this copy
+
+    def describe(self) -> str:
+        text = f"served {self.chunks} chunk(s)"
+        if self.corrupted:
+            text += f", {self.corrupted} corrupted"
+        return text + (f", dropped ({self.dropped})" if self.dropped else "")
+
+
+@dataclass
+class FetchReport:
+    """Where the bytes of one template copy came from, and what each peer did."""
+
+    bytes_from_peers: int = 0
+    bytes_from_source: int = 0
+    chunks_from_peers: int = 0
+    chunks_from_source: int = 0
+    corrupted: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+    peers: dict[str, PeerRecord] = field(default_factory=dict)
+
+    @property
+    def failed_peers(self) -> list[str]:
+        """Peers dropped during the copy (unreachable, too slow, or serving bad chunks)."""
+        return [p for p, r in self.peers.items() if r.dropped]
+
+    def describe_peers(self) -> str:
+        if not self.peers:
+            return "no peer held it"
+        return "; ".join(f"{p} {r.describe()}" for p, r in self.peers.items())
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "peers"}
+        out["failed_peers"] = self.failed_peers
+        out["peers"] = {p: r.describe() for p, r in self.peers.items()}
+        return out
