@@ -321,6 +321,13 @@ def plot_bars(
     ax.set_title(title, fontsize=10)
     if group:
         ax.legend(title=group, fontsize=8)
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Save matplotlib ``fig`` as the PNG beside the JSON ``path``, and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     png = path.with_suffix(".png")
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -375,12 +375,7 @@ def plot_simulated(path: Path | None, rows: list[dict], fits: dict) -> None:
     ax.set_ylabel("s until the last holds the template")
     ax.set_title("Simulated broadcast (dashed: source a+bN, p2p a+b log2 N)", fontsize=10)
     ax.legend()
-    fig.tight_layout()
-    png = path.with_suffix(".png")
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    print(f"plot written to {png}")
+    h.save_figure(fig, path)
 
 
 def main() -> None:
