@@ -41,8 +41,7 @@ from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 from tornado.ioloop import PeriodicCallback
 
-from dask_pcm.deploy import gpu
-from dask_pcm.scheduler import preload
+from dask_pcm.deploy import gpu, with_preload
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +288,7 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
 
     # The contexts page in the dashboard ("More..."), and /pcm/status from the start.
     scheduler_options = dict(setting("scheduler_options") or {})
-    scheduler_options["preload"] = preload.with_preload(scheduler_options.get("preload"))
+    scheduler_options["preload"] = with_preload(scheduler_options.get("preload"))
     out["scheduler_options"] = scheduler_options
     return out
 

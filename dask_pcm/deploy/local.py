@@ -37,9 +37,8 @@ import distributed
 from distributed import LocalCluster
 
 from dask_pcm import config
-from dask_pcm.deploy import gpu
+from dask_pcm.deploy import gpu, with_preload
 from dask_pcm.gpus import visible_gpus
-from dask_pcm.scheduler import preload
 
 MALLOC_TRIM = "MALLOC_TRIM_THRESHOLD_"
 
@@ -105,7 +104,7 @@ def local_cluster(
         raise ValueError(f"n_workers must be 0 (scale up later) or more, got {n_workers}")
     # The contexts page in the dashboard ("More..."), and /pcm/status from the start.
     scheduler_kwargs = dict(kwargs.pop("scheduler_kwargs", None) or {})
-    scheduler_kwargs["preload"] = preload.with_preload(scheduler_kwargs.get("preload"))
+    scheduler_kwargs["preload"] = with_preload(scheduler_kwargs.get("preload"))
     kwargs["scheduler_kwargs"] = scheduler_kwargs
     kwargs.setdefault("worker_class", Nanny)
     kwargs.setdefault("processes", True)

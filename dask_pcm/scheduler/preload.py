@@ -17,24 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import dask.config
-
 from dask_pcm.scheduler.bokeh_page import add_to_dashboard
 from dask_pcm.scheduler.plugin import ContextScheduler
-
-NAME = "dask_pcm.scheduler.preload"
 
 add_to_dashboard()
 
 
 async def dask_setup(scheduler: Any) -> None:
     await scheduler.register_scheduler_plugin(ContextScheduler(), idempotent=True)
-
-
-def with_preload(preload: Any) -> list[str]:
-    """``preload`` (a scheduler's ``preload`` argument: ``None``, a name or a list) with this
-    module added; ``None`` stands for ``distributed.scheduler.preload`` from the config."""
-    if preload is None:
-        preload = dask.config.get("distributed.scheduler.preload") or []
-    names = [preload] if isinstance(preload, str) else list(preload)
-    return names if NAME in names else [*names, NAME]

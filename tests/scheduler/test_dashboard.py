@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -111,21 +112,36 @@ def test_run_fever_prints_a_dashboard_link_that_answers_while_it_runs(tmp_path, 
     assert answered[1].endswith("/pcm/status")
 
 
+def test_importing_dask_pcm_leaves_the_dashboard_and_the_model_libraries_unloaded():
+    # A worker imports dask_pcm on its first context or task; Bokeh (the dashboard page,
+    # ~0.7 s of CPU), torch and transformers must wait until a scheduler or a model needs
+    # them, or every worker that joins pays them in the middle of a template broadcast.
+    code = (
+        "import sys, distributed, dask_pcm; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} "
+        "& {'bokeh', 'torch', 'transformers'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_a_scheduler_started_with_the_preload_has_both_pages_from_its_start():
     # `dask scheduler --preload dask_pcm.scheduler.preload`, as in a fresh scheduler process:
     # the module adds the page on import, before the scheduler builds its dashboard.
     from distributed.dashboard import scheduler as dashboard
 
-    from dask_pcm.scheduler import bokeh_page, preload
+    from dask_pcm.deploy import SCHEDULER_PRELOAD
+    from dask_pcm.scheduler import bokeh_page
 
     dashboard.applications.pop(bokeh_page.ROUTE, None)
-    sys.modules.pop(preload.NAME, None)
+    sys.modules.pop(SCHEDULER_PRELOAD, None)
     with (
         LocalCluster(
             n_workers=0,
             processes=False,
             dashboard_address=":0",
-            scheduler_kwargs={"preload": [preload.NAME]},
+            scheduler_kwargs={"preload": [SCHEDULER_PRELOAD]},
         ) as cluster,
         Client(cluster) as client,
     ):
