@@ -25,7 +25,12 @@ from dask_pcm.loaders.gpu import (
     prompt_bytes,
     rows_that_fit,
 )
-from dask_pcm.loaders.model import CPU_BATCH_SIZE, TOKENS_PER_PROMPT, LanguageModel
+from dask_pcm.loaders.model import (
+    CPU_BATCH_SIZE,
+    TOKENS_PER_PROMPT,
+    LanguageModel,
+    building_for_one_task,
+)
 from dask_pcm.loaders.prefix import PrefixCache
 from dask_pcm.templates.sources import ResolvedSource, resolve_source, template_files
 
@@ -196,9 +201,15 @@ def _warm_up(lm: LanguageModel, plan: DevicePlan) -> None:
     growth); done here, that lands in the load time rather than in the first task. On a GPU
     the pass is a full batch of the longest prompts the batch size was chosen for, so a size
     that does not fit is found (and halved) here rather than by a task.
+
+    On a CPU, a model built for one task (:func:`~dask_pcm.loaders.model.build_for_one_task`:
+    levels agnostic and partial) skips it: that task is its only pass, and a warm-up would
+    be a second one.
     """
     if plan.is_cuda:
         lm.next_token_logits([" ".join(["yes"] * (TOKENS_PER_PROMPT - 2))] * lm.batch_size)
+        return
+    if building_for_one_task():
         return
     prompt = "Claim: the warm-up sentence of a freshly loaded model is true. Answer:"
     lm.next_token_logits([prompt] * min(lm.batch_size, CPU_BATCH_SIZE))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,27 @@ CPU_BATCH_SIZE = 8
 # there (FEVER prompts, few-shot ones included, are 40 to 400 tokens). Longer prompts get
 # fewer rows per pass when they come.
 TOKENS_PER_PROMPT = 512
+
+# Set while a worker builds a context for one task only (levels agnostic and partial): a
+# loader may then skip work that pays off only over many tasks, such as a warm-up pass.
+_FOR_ONE_TASK: ContextVar[bool] = ContextVar("dask_pcm_build_for_one_task", default=False)
+
+
+@contextmanager
+def build_for_one_task() -> Iterator[None]:
+    """Within it, :func:`building_for_one_task` is true: the object built serves one task
+    and is dropped (how levels ``agnostic`` and ``partial`` build, and a batch job that
+    loads its model per task)."""
+    token = _FOR_ONE_TASK.set(True)
+    try:
+        yield
+    finally:
+        _FOR_ONE_TASK.reset(token)
+
+
+def building_for_one_task() -> bool:
+    """Whether the build under way serves one task only (:func:`build_for_one_task`)."""
+    return _FOR_ONE_TASK.get()
 
 
 @dataclass

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dask_pcm.loaders.model import build_for_one_task
+
 if TYPE_CHECKING:
     from dask_pcm.worker.plugin import ContextPlugin
 
@@ -35,7 +37,8 @@ class Level:
 
     def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
         """The object for one task, and whether the task owns it (releases it after)."""
-        return plugin.holder.build(), True
+        with build_for_one_task():
+            return plugin.holder.build(), True
 
 
 class Full(Level):
@@ -70,7 +73,8 @@ class Agnostic(Level):
 
     def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
         plugin.template.read_source()
-        return plugin.holder.build(), True
+        with build_for_one_task():
+            return plugin.holder.build(), True
 
 
 LEVELS: dict[str, Level] = {level.name: level for level in (Full(), Partial(), Agnostic())}

@@ -16,6 +16,7 @@ import dask_pcm.loaders.embedded
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
 from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.llm import CausalLM, LanguageModel
+from dask_pcm.loaders.model import build_for_one_task
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,22 @@ def test_loads_ready_for_inference(tiny_lm, tiny_model_dir):
     assert tiny_lm.tokenizer.padding_side == "left"
     assert tiny_lm.tokenizer.pad_token is not None
     assert tiny_lm.nbytes == sum(p.numel() * 4 for p in params)
+
+
+def test_a_cpu_build_warms_up_once_unless_it_serves_one_task(tiny_model_dir, monkeypatch):
+    passes = []
+    forward = LanguageModel.next_token_logits
+
+    def counted(self, prompts, *args, **kwargs):
+        passes.append(len(prompts))
+        return forward(self, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(LanguageModel, "next_token_logits", counted)
+    CausalLM(device="cpu")(tiny_model_dir)
+    assert len(passes) == 1  # the warm-up, paid at load by a model that serves many tasks
+    with build_for_one_task():
+        CausalLM(device="cpu")(tiny_model_dir)
+    assert len(passes) == 1  # a per-task build: its task is its only pass
 
 
 def test_auto_options_pick_cpu_float32_here(tiny_model_dir):

@@ -12,6 +12,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError, ContextNotFoundError, ContextTimeoutError
+from dask_pcm.loaders.model import building_for_one_task
 from dask_pcm.templates.sources import resolve_source, template_files
 
 # Loaders and tasks live at module level so that they pickle by reference.
@@ -114,6 +115,30 @@ def test_same_results_at_every_level(tiny_model_dir):
             answers[level] = [token for _, token in client.gather(futs)]
             dask_pcm.unregister(client, "tiny")
     assert answers["full"] == answers["partial"] == answers["agnostic"]
+
+
+def _one_task_flag(location: str) -> dict[str, bool]:
+    return {"one_task": building_for_one_task()}
+
+
+def _flag(_: int) -> bool:
+    return dask_pcm.get_context("flag")["one_task"]
+
+
+def test_per_task_levels_build_for_one_task_and_full_for_many(tiny_model_dir):
+    # What lets a loader skip work that pays off only over many tasks (CausalLM's warm-up
+    # pass on a CPU): at agnostic and partial the object serves one task, at full every task.
+    seen = {}
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        for level in ("full", "partial", "agnostic"):
+            ctx = dask_pcm.Context("flag", _one_task_flag, template=str(tiny_model_dir))
+            dask_pcm.register(client, ctx, level=level)
+            seen[level] = set(client.gather(dask_pcm.map(client, _flag, range(3), context="flag")))
+            dask_pcm.unregister(client, "flag")
+    assert seen == {"full": {False}, "partial": {True}, "agnostic": {True}}
 
 
 class SlowLoader:
