@@ -10,7 +10,6 @@ code being identical at every context level because it reaches the model through
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import threading
@@ -19,6 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import _protocol
 
 import dask_pcm
 from dask_pcm.fever import LABELS, Claim, PromptTemplate, demo_claims
@@ -67,6 +68,14 @@ def parser(description: str | None) -> argparse.ArgumentParser:
         type=Path,
         help=f"FEVER JSON lines (default: {DEFAULT_DATA} if present, else built-in claims)",
     )
+    p.add_argument(
+        "--repetitions",
+        type=int,
+        metavar="N",
+        help=f"rounds of every variant, each round in random order "
+        f"(default {_protocol.DEFAULT_REPETITIONS}, --quick 1)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the rounds' order (default 0)")
     return p
 
 
@@ -176,7 +185,7 @@ def _worker_environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _ideal_process(model: str, work: list[tuple[int, list[str]]], barrier: Any, out: Any) -> None:
+def _ideal_process(model: str, queue: Any, barrier: Any, out: Any) -> None:
     try:
         import torch
 
@@ -186,7 +195,10 @@ def _ideal_process(model: str, work: list[tuple[int, list[str]]], barrier: Any, 
         load_seconds = time.perf_counter() - start
         barrier.wait()
         cpu = time.process_time()
-        predictions = {i: score(lm, claims) for i, claims in work}
+        predictions = {}
+        while (item := queue.get()) is not None:
+            i, claims = item
+            predictions[i] = score(lm, claims)
         out.put((load_seconds, time.process_time() - cpu, predictions))
     except BaseException as exc:
         barrier.abort()
@@ -196,22 +208,27 @@ def _ideal_process(model: str, work: list[tuple[int, list[str]]], barrier: Any, 
 def ideal(model: str, work: Sequence[list[str]], processes: int) -> dict[str, Any]:
     """Score ``work`` (batches of claim texts) in ``processes`` bare spawned processes.
 
-    Each process loads the model once with :class:`dask_pcm.CausalLM` and scores its share of
-    the batches (round robin) back to back. They start scoring together, once all have loaded.
+    Each process loads the model once with :class:`dask_pcm.CausalLM`; once all have loaded
+    they take batches from one shared queue, the next as soon as one is scored, as a
+    scheduler with no overhead would hand them out (a static round-robin split would leave a
+    process idle while another finishes its share, and make the ideal beatable).
 
     Returns a dict with ``predictions`` (per batch, in order), ``load_seconds`` (the model
     loads, summed over processes; the first load in a process includes lazy imports),
     ``startup_seconds`` (from the start to all models loaded: process start-up, imports, loads),
-    ``wall_seconds`` (from all loaded to all done) and ``cpu_seconds`` (CPU time the processes
-    used while scoring, summed).
+    ``wall_seconds`` (from all loaded to all done), ``tasks_per_process`` and ``cpu_seconds``
+    (CPU time the processes used while scoring, summed).
     """
     mp = multiprocessing.get_context("spawn")
     barrier = mp.Barrier(processes + 1)
-    out = mp.Queue()
-    indexed = list(enumerate(work))
+    out, queue = mp.Queue(), mp.Queue()
+    for item in enumerate(work):
+        queue.put(item)
+    for _ in range(processes):
+        queue.put(None)  # one end-of-work mark per process
     procs = [
-        mp.Process(target=_ideal_process, args=(model, indexed[k::processes], barrier, out))
-        for k in range(processes)
+        mp.Process(target=_ideal_process, args=(model, queue, barrier, out))
+        for _ in range(processes)
     ]
     start = time.perf_counter()
     with _worker_environ():
@@ -239,6 +256,7 @@ def ideal(model: str, work: Sequence[list[str]], processes: int) -> dict[str, An
         "startup_seconds": loaded - start,
         "wall_seconds": done - loaded,
         "cpu_seconds": sum(cpu for _, cpu, _ in parts),
+        "tasks_per_process": [len(part) for _, _, part in parts],
     }
 
 
@@ -336,10 +354,14 @@ def save_figure(fig: Any, path: Path) -> None:
     print(f"plot written to {png}")
 
 
-def write_json(path: Path | None, rows: Sequence[dict[str, Any]]) -> None:
-    """Write ``rows`` (a list of flat dicts) to ``path`` as JSON, if a path was given."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(list(rows), indent=2) + "\n")
-    print(f"results written to {path}")
+def write_json(
+    path: Path | None,
+    rows: Sequence[dict[str, Any]],
+    *,
+    reps: int = 1,
+    summary: Any = None,
+    **extra_meta: Any,
+) -> None:
+    """Write ``rows`` (flat dicts) and ``summary`` to ``path``, stamped with the run's
+    ``meta`` (:func:`_protocol.write_json`); nothing without a path."""
+    _protocol.write_json(path, rows, reps=reps, summary=summary, **extra_meta)

@@ -228,9 +228,8 @@ def run_ideal(model: str, work: list[list[str]], workers: int) -> dict:
         "setup_seconds": base["startup_seconds"],
         "seconds": base["wall_seconds"],
         "cpu_share": base["cpu_seconds"] / (workers * base["wall_seconds"]),
-        # h.ideal deals the batches round robin, one process each.
         "loads_per_worker": [1] * workers,
-        "tasks_per_worker": [len(work[k::workers]) for k in range(workers)],
+        "tasks_per_worker": base["tasks_per_process"],
         "predictions": base["predictions"],
     }
 
