@@ -1,0 +1,793 @@
+"""Regenerate the benchmark tables in the READMEs from the committed JSON.
+
+Usage::
+
+    python benchmarks/report.py           # rewrite every generated block
+    python benchmarks/report.py --check   # write nothing; exit 1 naming every stale block
+
+A generated block in a markdown file sits between two marker lines::
+
+    <!-- report:levels -->
+    (a table, a blank line, and one line naming the JSON it came from)
+    <!-- /report:levels -->
+
+The block's name selects its generator in :data:`GENERATORS`. Only the text between the
+markers is rewritten; everything else in the file is left as it is. A marker without its
+pair, or a block name with no generator, is an error naming the file and line (exit 2).
+
+Sources: for each benchmark, the newest dated JSON in ``benchmarks/``, either
+``<name>-YYYY-MM-DD.json`` or ``runs/YYYY-MM-DD/<name>.json`` (a script's name, ``_`` read
+as ``-``); on the same date the file directly in ``benchmarks/`` wins. :func:`load` reads
+both formats: the old one, a list of flat rows in which rows with a ``metric`` key are
+summary rows, and the stamped one, ``{"meta": ..., "rows": [...], "summary": ...}``.
+
+Adding a block:
+
+1. Write ``def _name(folder: Path) -> Block``: call ``load("benchmark", folder)`` for each
+   JSON it needs, build the table with :func:`columns_table` (rows and a list of
+   :data:`Column`) or :func:`table` (cells you format with :func:`num`, :func:`bold`,
+   :func:`span`), and return ``Block(table_text, [loaded, ...])``; the source line under the
+   table is written from the loaded files.
+2. Register it in :data:`GENERATORS` under the block's name.
+3. Put ``<!-- report:name -->`` and ``<!-- /report:name -->`` where the table belongs, run
+   this script, and check the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+BENCHMARKS = Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+MARKDOWN = (REPO / "README.md", BENCHMARKS / "README.md")
+
+_DATED = re.compile(r"^(?P<name>.+)-(?P<date>\d{4}-\d{2}-\d{2})\.json$")
+_RUN_DIR = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_MARKER = re.compile(r"^<!--\s*(?P<close>/?)report:(?P<name>[A-Za-z0-9_.-]+)\s*-->\s*$")
+
+
+class ReportError(Exception):
+    """A JSON file or a markdown file that the report cannot use; the message names it."""
+
+
+class Loaded(NamedTuple):
+    """One benchmark's JSON: its path, ``meta`` (None when not stamped), rows and summary."""
+
+    path: Path
+    meta: dict[str, Any] | None
+    rows: list[dict[str, Any]]
+    summary: Any
+
+
+class Block(NamedTuple):
+    """What a generator returns: the markdown table and the JSON it was built from."""
+
+    table: str
+    sources: list[Loaded]
+
+
+# -- loading --------------------------------------------------------------------------------
+def dated_files(name: str, folder: Path = BENCHMARKS) -> list[tuple[str, bool, Path]]:
+    """``(date, directly_in_folder, path)`` of every JSON of benchmark ``name``, oldest first."""
+    found = []
+    for path in folder.glob("*.json"):
+        m = _DATED.match(path.name)
+        if m and m["name"] == name:
+            found.append((m["date"], True, path))
+    runs = folder / "runs"
+    if runs.is_dir():
+        for run in runs.iterdir():
+            if not (run.is_dir() and _RUN_DIR.match(run.name)):
+                continue
+            for path in run.glob("*.json"):
+                if path.stem.replace("_", "-") == name:
+                    found.append((run.name, False, path))
+    return sorted(found)
+
+
+def newest(name: str, folder: Path = BENCHMARKS) -> Path:
+    """The newest dated JSON of benchmark ``name`` (see the module's docstring)."""
+    found = dated_files(name, folder)
+    if not found:
+        raise ReportError(f"{folder}: no {name}-YYYY-MM-DD.json, nor runs/YYYY-MM-DD/{name}.json")
+    return found[-1][2]
+
+
+def load(name: str, folder: Path = BENCHMARKS) -> Loaded:
+    """``(path, meta or None, rows, summary)`` of the newest JSON of benchmark ``name``."""
+    path = newest(name, folder)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReportError(f"{path}: {e}") from e
+    if isinstance(data, list):
+        rows = [r for r in data if isinstance(r, dict) and "metric" not in r]
+        summary = [r for r in data if isinstance(r, dict) and "metric" in r]
+        return Loaded(path, None, rows, summary)
+    if isinstance(data, dict) and {"meta", "rows", "summary"} & data.keys():
+        return Loaded(path, data.get("meta"), list(data.get("rows") or []), data.get("summary"))
+    raise ReportError(f"{path}: neither a list of rows nor {{meta, rows, summary}}")
+
+
+def _date_of(path: Path) -> str:
+    m = _DATED.match(path.name)
+    return m["date"] if m else path.parent.name
+
+
+def _shown(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` where it lies inside it."""
+    try:
+        return str(path.resolve().relative_to(root.resolve()))
+    except ValueError:
+        return str(path)
+
+
+def source_line(sources: Sequence[Loaded], root: Path) -> str:
+    """``From `path` (commit, date, repetitions).`` naming every file a table used; files
+    without ``meta`` are grouped by date and said to be unstamped once."""
+
+    def shown(path: Path) -> str:
+        return f"`{_shown(path, root)}`"
+
+    stamped: list[str] = []
+    unstamped: dict[str, list[str]] = {}
+    for s in {s.path: s for s in sources}.values():
+        if s.meta is None:
+            unstamped.setdefault(_date_of(s.path), []).append(shown(s.path))
+            continue
+        commit = str(s.meta.get("commit") or "unknown")[:7]
+        if s.meta.get("dirty"):
+            commit += " with uncommitted changes"
+        date = str(s.meta.get("date") or _date_of(s.path))[:10]
+        reps = s.meta.get("repetitions")
+        reps_text = "" if reps is None else f", {reps} repetition{'s' * (reps != 1)}"
+        stamped.append(f"{shown(s.path)} (commit {commit}, {date}{reps_text})")
+    parts = stamped
+    if unstamped:
+        groups = "; ".join(f"{', '.join(paths)} ({date})" for date, paths in unstamped.items())
+        parts.append(f"{groups}, not stamped: run before the JSON carried its commit")
+    return f"From {'; '.join(parts)}."
+
+
+# -- formatting -----------------------------------------------------------------------------
+DASH = "\N{EN DASH}"
+TIMES = "\N{MULTIPLICATION SIGN}"
+
+# A column of a table built from rows: (key in the row, header, format spec). The spec ""
+# is text, left-aligned; "r" is text, right-aligned; anything else goes to `format` and is
+# right-aligned (".2f", ".0f", "d", ",d").
+Column = tuple[str, str, str]
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], align: str) -> str:
+    """A markdown table; ``align`` has one letter per column, ``l`` or ``r``."""
+    if len(align) != len(headers):
+        raise ValueError(f"{len(headers)} headers, {len(align)} alignments")
+
+    def line(cells: Sequence[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def columns_table(rows: Iterable[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A markdown table of ``rows``, one cell per :data:`Column`."""
+
+    def cell(value: Any, spec: str) -> str:
+        return str(value) if spec in ("", "r") else format(value, spec)
+
+    body = [[cell(r[key], spec) for key, _, spec in columns] for r in rows]
+    align = "".join("l" if spec == "" else "r" for _, _, spec in columns)
+    return table([header for _, header, _ in columns], body, align)
+
+
+def num(x: float, spec: str = ".2f") -> str:
+    """``x`` formatted with ``spec`` (``",.0f"`` for thousands separators)."""
+    return format(x, spec)
+
+
+def bold(text: str) -> str:
+    return f"**{text}**"
+
+
+def span(low: float, high: float, spec: str = ".2f") -> str:
+    """``low`` and ``high`` joined by an en dash, as in the tables' ranges."""
+    return f"{low:{spec}}{DASH}{high:{spec}}"
+
+
+def minutes(seconds: float) -> str:
+    """``"16 min 39 s"``."""
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s} s"
+
+
+def pick(rows: Iterable[dict[str, Any]], **where: Any) -> dict[str, Any]:
+    """The one row whose items include ``where``."""
+    found = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    if len(found) != 1:
+        raise ReportError(f"{len(found)} rows where {where}, expected 1")
+    return found[0]
+
+
+# -- generators: one table of one benchmark ---------------------------------------------------
+LEVELS: list[Column] = [
+    ("level", "level", ""),
+    ("source", "source", ""),
+    ("tasks", "tasks", "d"),
+    ("loads", "loads", "d"),
+    ("load_seconds", "load_s", ".2f"),
+    ("register_seconds", "register_s", ".2f"),
+    ("wall_seconds", "wall_s", ".2f"),
+    ("claims_per_second", "claims/s", ".2f"),
+    ("mb_from_source", "src_MB", ".0f"),
+    ("cpu_share", "cpu", ".2f"),
+]
+
+
+def _levels(folder: Path) -> Block:
+    src = load("levels", folder)
+    return Block(columns_table(src.rows, LEVELS), [src])
+
+
+BATCH_SIZES: list[Column] = [
+    ("level", "level", ""),
+    ("batch_size", "batch", "d"),
+    ("tasks", "tasks", "d"),
+    ("loads", "loads", "d"),
+    ("wall_seconds", "wall_s", ".2f"),
+    ("claims_per_second", "claims/s", ".2f"),
+    ("task_min_seconds", "task min s", ".2f"),
+    ("task_median_seconds", "median", ".2f"),
+    ("task_p90_seconds", "p90", ".2f"),
+    ("task_max_seconds", "max", ".2f"),
+    ("cpu_share", "cpu", ".2f"),
+]
+
+
+def _batch_sizes(folder: Path) -> Block:
+    src = load("batch-sizes", folder)
+    return Block(columns_table(src.rows, BATCH_SIZES), [src])
+
+
+PREEMPTION: list[Column] = [
+    ("level", "level", ""),
+    ("preemptions", "preemptions", "d"),
+    ("tasks_done", "tasks", "d"),
+    ("claims_done", "claims", "d"),
+    ("claims_per_s", "claims/s", ".2f"),
+    ("errors", "errors", "d"),
+    ("loads", "loads", "d"),
+    ("load_seconds", "load_s", ".2f"),
+]
+
+
+def _preemption(folder: Path) -> Block:
+    src = load("preemption", folder)
+    return Block(columns_table(src.rows, PREEMPTION), [src])
+
+
+SCALE_OUT_SIMULATED: list[Column] = [
+    ("n", "N", "d"),
+    ("mode", "mode", ""),
+    ("seconds", "s until the last holds it", ".2f"),
+    ("median_seconds", "median s", ".2f"),
+    ("source_gb", "GB from source", ".1f"),
+    ("peer_gb", "GB from peers", ".1f"),
+    ("max_upload_gb", "GB from the busiest peer", ".1f"),
+    ("scheduler_seconds", "directory s (real)", ".2f"),
+]
+
+
+def _scale_out_simulated(folder: Path) -> Block:
+    src = load("scale-out-simulated", folder)
+    return Block(columns_table(src.rows, SCALE_OUT_SIMULATED), [src])
+
+
+SCALE_OUT: list[Column] = [
+    ("n", "N", "d"),
+    ("mode", "mode", ""),
+    ("startup_seconds", "startup s", ".1f"),
+    ("held_seconds", "held s", ".2f"),
+    ("held_cpu_floor_seconds", "CPU s / cores while held", ".2f"),
+    ("seconds", "ready s", ".2f"),
+    ("mean_fetch_seconds", "mean fetch s", ".2f"),
+    ("mean_load_seconds", "mean load s", ".2f"),
+    ("mb_from_source", "MB from source", ".0f"),
+    ("mb_from_peers", "MB from peers", ".0f"),
+]
+
+
+def _scale_out(folder: Path) -> Block:
+    src = load("scale-out", folder)
+    return Block(columns_table(src.rows, SCALE_OUT), [src])
+
+
+TRANSFER: list[Column] = [
+    ("chunk_mib", "chunk MiB", "d"),
+    ("mb_per_s", "MB/s (best of 2)", ".0f"),
+    ("first_mb_per_s", "first copy MB/s", ".0f"),
+    ("of_loopback", "of raw loopback", ".2f"),
+    ("of_verified_loopback", "of verified loopback", ".2f"),
+    ("peak_extra_rss_mb", "peak extra RSS MB", ".0f"),
+    ("chunks_held", "chunks held", ".1f"),
+]
+
+
+def _scale_out_transfer(folder: Path) -> Block:
+    src = load("scale-out", folder)
+    # Every row carries the same single-copy measurement; chunks held is the peak extra
+    # memory (MB) in chunks of that size (MiB).
+    rows = [
+        {**t, "chunks_held": t["peak_extra_rss_mb"] * 1e6 / (t["chunk_mib"] * 2**20)}
+        for t in src.rows[0]["transfer_alone"]
+    ]
+    return Block(columns_table(rows, TRANSFER), [src])
+
+
+PEERS: list[Column] = [
+    ("variant", "variant", ""),
+    ("tasks", "tasks", "d"),
+    ("loads", "loads", "d"),
+    ("timed_loads", "timed", "d"),
+    ("load_seconds", "load_s", ".2f"),
+    ("setup_seconds", "setup_s", ".2f"),
+    ("seconds", "seconds", ".2f"),
+    ("claims_per_s", "claims/s", ".2f"),
+    ("ratio_vs_dask_pcm", "vs dask_pcm", ".2f"),
+    ("efficiency", "efficiency", ".2f"),
+    ("cpu_share", "cpu", ".2f"),
+]
+
+
+def _peers(folder: Path) -> Block:
+    src = load("peers", folder)
+    return Block(columns_table(src.rows, PEERS), [src])
+
+
+def _overhead_rounds(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """``{round: {kind: tasks/s}}`` (the JSON's ``ratio`` row has no round)."""
+    out: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if "round" in r:
+            out.setdefault(r["round"], {})[r["kind"]] = r["tasks_per_second"]
+    return out
+
+
+OVERHEAD: list[Column] = [
+    ("round", "round", "d"),
+    ("plain", "plain tasks/s", ".0f"),
+    ("context", "context tasks/s", ".0f"),
+    ("ratio", "context / plain", ".2f"),
+    ("plain-unqueued", "plain-unqueued tasks/s", ".0f"),
+]
+
+
+def _scheduler_overhead(folder: Path) -> Block:
+    src = load("scheduler-overhead", folder)
+    rows = [
+        {"round": n, **k, "ratio": k["context"] / k["plain"]}
+        for n, k in sorted(_overhead_rounds(src.rows).items())
+    ]
+    return Block(columns_table(rows, OVERHEAD), [src])
+
+
+PREFIX: list[Column] = [
+    ("template", "template", ""),
+    ("prompt_tokens", "tokens", ".1f"),
+    ("prefix", "prefix", "r"),
+    ("run_tokens_without", "run w/o", ".1f"),
+    ("run_tokens_with", "run with", ".1f"),
+    ("claims_per_second_without", "w/o claims/s", ".2f"),
+    ("claims_per_second_with", "with claims/s", ".2f"),
+    ("ratio_text", "ratio", "r"),
+    ("range", "range", "r"),
+    ("task_ratio", "task ratio", ".2f"),
+    ("target_text", "target", ""),
+    ("prefix_ms", "prefix ms", ".0f"),
+]
+
+
+def _prefix(folder: Path) -> Block:
+    src = load("prefix", folder)
+    rows = []
+    for r in src.rows:
+        target, ratio = r.get("target"), num(r["ratio"])
+        rows.append(
+            {
+                **r,
+                "ratio_text": ratio if target is None else bold(ratio),  # a target's ratio
+                "range": span(r["ratio_min"], r["ratio_max"]),
+                "target_text": ""
+                if target is None
+                else f"≥ {target:g} {'met' if r['target_met'] else 'missed'}",
+            }
+        )
+    return Block(columns_table(rows, PREFIX), [src])
+
+
+# The issue's goals for paper_scale.py, as its `goals` states them: requirements, not results.
+_PAPER_GOALS = {"ratio": 0.7, "files": 1000, "rss_mb": 2048, "recompute_pct": 1.0}
+
+
+def _paper_scale(folder: Path) -> Block:
+    src = load("paper-scale", folder)
+    r, g = src.rows[0], _PAPER_GOALS
+
+    def goal(text: str, met: bool) -> list[str]:
+        return [text, "met" if met else "missed"]
+
+    lo, hi = sorted(
+        r["steady_units_per_s"] / r[k]
+        for k in ("inproc_units_per_s_before", "inproc_units_per_s_after")
+    )
+    body = [
+        [
+            f"claims {TIMES} templates = units (tasks)",
+            f"{r['claims']:,} {TIMES} {r['templates']} = {r['units']:,} ({r['tasks']:,})",
+        ],
+        [
+            "run_fever, whole call",
+            f"{r['seconds']:.0f} s ({minutes(r['seconds'])}), {r['units_per_s']:.1f} units/s",
+        ],
+        ["steady units/s (first to last-but-one index line)", f"{r['steady_units_per_s']:.1f}"],
+        [
+            f"in-process units/s, before / after ({r['workers']} processes, "
+            f"{r['inproc_sampled_units']:,} sampled units)",
+            f"{r['inproc_units_per_s_before']:.1f} / {r['inproc_units_per_s_after']:.1f}",
+        ],
+        [
+            "ratio steady / in-process (mean of both)",
+            f"{bold(num(r['ratio']))} ({span(lo, hi)})",
+            *goal(f"≥ {g['ratio']:g}", r["ratio"] >= g["ratio"]),
+        ],
+        [
+            f"files in the output (segments of {r['segment_rows']:,} rows)",
+            bold(f"{r['files_on_disk']:,}"),
+            *goal(f"≤ {g['files']:,}", r["files_on_disk"] <= g["files"]),
+        ],
+        [
+            "peak RSS of the client process (scheduler and nannies in it)",
+            bold(f"{r['peak_client_rss_mb']:,.0f} MB")
+            + f" (before the run {r['client_rss_before_mb']:,.0f} MB)",
+            *goal(f"≤ {g['rss_mb'] / 1024:g} GB", r["peak_client_rss_mb"] <= g["rss_mb"]),
+        ],
+        [
+            "rows; (template, claim) twice; missing",
+            f"{r['rows']:,}; {r['duplicates']:,}; {r['missing']:,}",
+        ],
+        [
+            "kill -9 of the whole CLI run after",
+            f"{r['killed_after_seconds']:.0f} s: {r['kill_at_units']:,} units received, "
+            f"{r['persisted_at_kill']:,} on disk",
+        ],
+        [
+            "resume: units computed",
+            f"{r['resume_computed']:,} in {r['resume_seconds']:.0f} s = unfinished "
+            f"({r['units'] - r['persisted_at_kill']:,}) + {r['recomputed_beyond_unfinished']:,}",
+        ],
+        [
+            "finished units the kill lost (computed twice)",
+            bold(f"{r['recomputed_twice']:,}") + f" ({r['recompute_pct']:.2f} % of the grid)",
+            *goal(f"≤ {g['recompute_pct']:g} %", r["recompute_pct"] <= g["recompute_pct"]),
+        ],
+        [
+            "after the resume: rows; twice; missing",
+            f"{r['resume_rows']:,}; {r['resume_duplicates']:,}; {r['resume_missing']:,}",
+        ],
+    ]
+    body = [[*row, "", ""][:4] for row in body]
+    return Block(table(["figure", "value", "goal", ""], body, "llll"), [src])
+
+
+FEVER_ACCURACY: list[Column] = [
+    ("template", "template", ""),
+    ("accuracy", "accuracy", ".3f"),
+    ("macro_f1", "macro-F1", ".3f"),
+    ("recall_SUPPORTS", "recall S", ".3f"),
+    ("recall_REFUTES", "recall R", ".3f"),
+    ("recall_NOT ENOUGH INFO", "recall NEI", ".3f"),
+]
+
+
+def _fever_accuracy(folder: Path) -> Block:
+    src = load("fever-accuracy", folder)
+    # `dask-pcm fever --json` writes its table as "summary" (and the run as "report").
+    return Block(columns_table(src.rows or src.summary, FEVER_ACCURACY), [src])
+
+
+# -- generators: the summaries ----------------------------------------------------------------
+_LEVEL_NAMES = ("agnostic", "partial", "process-per-task")
+_PEER_NAMES = {
+    "dask-global": "plain Dask + global cache",
+    "ray-data": "Ray Data",
+    "dask-per-task": "plain Dask loading per task",
+}
+
+
+def _levels_figure(rows: list[dict[str, Any]], limit: float | None, strong: bool) -> str:
+    """``agnostic 1.25, ...``: each level's wall over full's, source limited to ``limit``."""
+    here = [r for r in rows if r.get("source_mb_per_s") == limit]
+    full = pick(here, level="full")["wall_seconds"]
+    fmt = bold if strong else str
+    return ", ".join(
+        f"{lvl} {fmt(num(pick(here, level=lvl)['wall_seconds'] / full))}" for lvl in _LEVEL_NAMES
+    )
+
+
+def _batch_shares(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """``{level: {batch size: claims/s over the level's best}}``."""
+    out: dict[str, dict[int, float]] = {}
+    for r in rows:
+        out.setdefault(r["level"], {})[r["batch_size"]] = r["claims_per_second"]
+    return {lvl: {b: c / max(by.values()) for b, c in by.items()} for lvl, by in out.items()}
+
+
+def _peer_figure(peers: Loaded, descending: bool) -> str:
+    """``plain Dask + global cache 0.97, ...``: claims/s over dask_pcm's."""
+    others = sorted(
+        (r for r in peers.rows if r["variant"] in _PEER_NAMES),
+        key=lambda r: r["ratio_vs_dask_pcm"],
+        reverse=descending,
+    )
+    return ", ".join(f"{_PEER_NAMES[r['variant']]} {r['ratio_vs_dask_pcm']:.2f}" for r in others)
+
+
+def _efficiency(peers: Loaded, levels: Loaded) -> tuple[dict[str, Any], float, int]:
+    """dask_pcm's row in peers; in levels (no source limit) ideal wall / full wall, claims."""
+    here = [r for r in levels.rows if r.get("source_mb_per_s") is None]
+    ideal, full = pick(here, level="ideal"), pick(here, level="full")
+    claims = round(ideal["claims_per_second"] * ideal["wall_seconds"])
+    return (
+        pick(peers.rows, variant="dask_pcm"),
+        ideal["wall_seconds"] / full["wall_seconds"],
+        claims,
+    )
+
+
+def _summary(folder: Path) -> Block:
+    lv, bs, pre = load("levels", folder), load("batch-sizes", folder), load("preemption", folder)
+    so, peers, ov = (
+        load("scale-out", folder),
+        load("peers", folder),
+        load("scheduler-overhead", folder),
+    )
+
+    shares = _batch_shares(bs.rows)
+    best = {lvl: max(by, key=by.__getitem__) for lvl, by in shares.items()}
+    sizes = sorted(shares["full"])
+    best_text = (
+        f"both best at {best['full']}"
+        if best["partial"] == best["full"]
+        else f"partial best at {best['partial']}, full at {best['full']}"
+    )
+    share_text = "; ".join(
+        f"{lvl} {span(min(shares[lvl].values()), max(shares[lvl].values()))} "
+        f"(batch {sizes[0]}: {shares[lvl][sizes[0]]:.2f})"
+        for lvl in ("partial", "full")
+    )
+    keys = ("task_min_seconds", "task_median_seconds", "task_max_seconds")
+    spread = "; ".join(
+        f"{lvl} " + " / ".join(num(pick(bs.rows, level=lvl, batch_size=8)[k]) for k in keys)
+        for lvl in ("partial", "full")
+    )
+    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
+    ready = {(r["n"], r["mode"]): r["seconds"] for r in so.rows}
+    ns = sorted({n for n, _ in ready})
+    ready_text = ", ".join(f"N={n} {ready[n, 'source']:.1f} → {ready[n, 'p2p']:.1f}" for n in ns)
+    mine, lv_eff, lv_claims = _efficiency(peers, lv)
+    rounds = _overhead_rounds(ov.rows).values()
+    ctx, plain = max(k["context"] for k in rounds), max(k["plain"] for k in rounds)
+    body = [
+        ["RQ1 levels, no source limit: wall / full", _levels_figure(lv.rows, None, True)],
+        ["RQ1 levels, shared FS 200 MB/s: wall / full", _levels_figure(lv.rows, 200.0, True)],
+        [
+            f"RQ2 batch sizes {sizes[0]}{DASH}{sizes[-1]}, claims/s as a share of the level's "
+            f"best ({best_text})",
+            share_text,
+        ],
+        ["RQ2 task-time spread at batch 8 (min / median / max s)", spread],
+        [
+            f"RQ3 preemption (kill every {full['period_s']:g} s, {full['window_s']:g} s): "
+            "claims full / partial",
+            f"{bold(num(full['claims_done'] / partial['claims_done']))} "
+            f"({full['claims_done']} against {partial['claims_done']})",
+        ],
+        [
+            "RQ4 scale-out, ready s source-only → peer to peer",
+            f"{ready_text} ({bold(num(ready[ns[-1], 'source'] / ready[ns[-1], 'p2p']))})",
+        ],
+        [
+            f"peers, claims/s against dask_pcm ({mine['claims_per_s']:.2f})",
+            _peer_figure(peers, descending=True),
+        ],
+        [
+            "efficiency, ideal wall / dask_pcm full wall",
+            f"{bold(num(mine['efficiency']))} in `peers.py` ({mine['claims']} claims), "
+            f"{bold(num(lv_eff))} in `levels.py` ({lv_claims} claims)",
+        ],
+        [
+            "scheduler plugin, no-op tasks/s context / plain",
+            f"{bold(num(ctx / plain, '.3f'))} ({ctx:.0f} against {plain:.0f})",
+        ],
+    ]
+    return Block(table(["question", "figure"], body, "ll"), [lv, bs, pre, so, peers, ov])
+
+
+def _headline(folder: Path) -> Block:
+    lv, bs, pre = load("levels", folder), load("batch-sizes", folder), load("preemption", folder)
+    so, sim, peers = (
+        load("scale-out", folder),
+        load("scale-out-simulated", folder),
+        load("peers", folder),
+    )
+
+    shares = _batch_shares(bs.rows)
+    first = min(shares["full"])
+    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
+    n = max(r["n"] for r in so.rows)
+    held = {r["mode"]: r["held_seconds"] for r in so.rows if r["n"] == n}
+    sim_p2p = {r["n"]: r for r in sim.rows if r["mode"] == "p2p"}
+    top = max(sim_p2p)
+    mine, lv_eff, lv_claims = _efficiency(peers, lv)
+    body = [
+        ["context levels, wall / full", _levels_figure(lv.rows, None, False)],
+        [
+            "the same behind a simulated shared filesystem of 200 MB/s",
+            _levels_figure(lv.rows, 200.0, False),
+        ],
+        [
+            f"batch size {first}, claims/s as a share of the level's best",
+            f"partial {shares['partial'][first]:.2f}, full {shares['full'][first]:.2f}",
+        ],
+        [
+            f"a worker killed every {full['period_s']:g} s: claims full / partial",
+            num(full["claims_done"] / partial["claims_done"]),
+        ],
+        [
+            f"{n} workers joining at once: time until all hold the template, source alone / "
+            "peer to peer",
+            num(held["source"] / held["p2p"]),
+        ],
+        [
+            "simulated with the real protocol, a "
+            f"{sim_p2p[top]['template_bytes'] / 1e9:.1f} GB template: time until all hold it, "
+            f"{top} workers / 8",
+            num(sim_p2p[top]["seconds"] / sim_p2p[8]["seconds"]),
+        ],
+        [
+            f"the same {mine['claims']} claims, claims/s against dask_pcm",
+            _peer_figure(peers, descending=False),
+        ],
+        [
+            "ideal wall / dask_pcm wall (the ideal: bare processes that load the model once)",
+            f"{num(mine['efficiency'])} (peers, {mine['claims']} claims), "
+            f"{num(lv_eff)} (levels, {lv_claims} claims)",
+        ],
+    ]
+    return Block(table(["benchmark", "figure"], body, "ll"), [lv, bs, pre, so, sim, peers])
+
+
+Generator = Callable[[Path], Block]
+
+GENERATORS: dict[str, Generator] = {
+    "summary": _summary,
+    "headline": _headline,
+    "levels": _levels,
+    "batch-sizes": _batch_sizes,
+    "preemption": _preemption,
+    "scale-out-simulated": _scale_out_simulated,
+    "scale-out": _scale_out,
+    "scale-out-transfer": _scale_out_transfer,
+    "peers": _peers,
+    "scheduler-overhead": _scheduler_overhead,
+    "prefix": _prefix,
+    "paper-scale": _paper_scale,
+    "fever-accuracy": _fever_accuracy,
+}
+
+
+# -- markdown -------------------------------------------------------------------------------
+def blocks(text: str, path: Path) -> list[tuple[str, int, int]]:
+    """``(name, first line, last line)`` of each block: the 0-based lines of its markers."""
+    found: list[tuple[str, int, int]] = []
+    open_: tuple[str, int] | None = None
+    for i, line in enumerate(text.splitlines()):
+        m = _MARKER.match(line)
+        if not m:
+            continue
+        name = m["name"]
+        if not m["close"]:
+            if open_ is not None:
+                raise ReportError(
+                    f"{path}:{i + 1}: report:{name} opens inside report:{open_[0]} "
+                    f"(opened at line {open_[1] + 1}, never closed)"
+                )
+            if name not in GENERATORS:
+                raise ReportError(f"{path}:{i + 1}: no generator for block report:{name}")
+            open_ = (name, i)
+        elif open_ is None or open_[0] != name:
+            raise ReportError(f"{path}:{i + 1}: /report:{name} closes no open report:{name}")
+        else:
+            found.append((name, open_[1], i))
+            open_ = None
+    if open_ is not None:
+        raise ReportError(f"{path}:{open_[1] + 1}: report:{open_[0]} is never closed")
+    return found
+
+
+def render(text: str, path: Path, folder: Path = BENCHMARKS) -> tuple[str, list[str]]:
+    """``text`` with every block regenerated, and the names of the blocks that changed."""
+    lines = text.splitlines(keepends=True)
+    changed = []
+    # Back to front, so that earlier line numbers stay valid.
+    for name, start, end in reversed(blocks(text, path)):
+        try:
+            block = GENERATORS[name](folder)
+        except (ReportError, KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as e:
+            # Most likely a JSON whose rows no longer have what this generator reads.
+            raise ReportError(f"{path}:{start + 1}: report:{name}: {type(e).__name__}: {e}") from e
+        body = f"\n{block.table}\n\n{source_line(block.sources, folder.parent)}\n\n"
+        if "".join(lines[start + 1 : end]) != body:
+            changed.append(name)
+            lines[start + 1 : end] = body.splitlines(keepends=True)
+    return "".join(lines), changed[::-1]
+
+
+def regenerate(
+    folder: Path = BENCHMARKS, files: Sequence[Path] = MARKDOWN, *, check: bool = False
+) -> list[str]:
+    """Regenerate the blocks of ``files`` from the JSON in ``folder``; return ``file: block``
+    for each block whose text differed. With ``check``, write nothing. Every file is read
+    and rendered before any is written, so an error leaves them all as they were."""
+    stale: list[str] = []
+    new: dict[Path, str] = {}
+    for path in files:
+        text = path.read_text()
+        rendered, changed = render(text, path, folder)
+        stale += [f"{_shown(path, REPO)}: {name}" for name in changed]
+        if changed:
+            new[path] = rendered
+    if not check:
+        for path, text in new.items():
+            path.write_text(text)
+    return stale
+
+
+def check(folder: Path = BENCHMARKS, files: Sequence[Path] = MARKDOWN) -> bool:
+    """Whether every block of ``files`` matches what the JSON in ``folder`` gives."""
+    return not regenerate(folder, files, check=True)
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    folder: Path = BENCHMARKS,
+    files: Sequence[Path] = MARKDOWN,
+) -> int:
+    """The command line: 0 when every block matches (or was rewritten), 1 when ``--check``
+    found stale blocks, 2 on an error."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block is stale")
+    args = p.parse_args(argv)
+    try:
+        stale = regenerate(folder, files, check=args.check)
+    except ReportError as e:
+        print(f"report.py: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        for entry in stale:
+            print(f"stale: {entry} (run python benchmarks/report.py)", file=sys.stderr)
+        return 1 if stale else 0
+    for entry in stale:
+        print(f"rewrote {entry}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
