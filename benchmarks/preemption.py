@@ -1,24 +1,33 @@
 """Preemption (the paper's RQ3 at this machine's scale): inferences done in a fixed window
-while a worker is killed every T seconds, at context levels full and partial.
+while workers are killed at random, at context levels full and partial, each against a
+no-kill control.
 
-For each level, a fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default, worker
-processes under a nanny) gets a continuous stream of FEVER scoring tasks (8 claims per task,
-one forward pass of the embedded SmolLM2-135M-Instruct each) for a window of ``--window``
-seconds (120; ``--quick`` 20). Every ``--period`` seconds (20; ``--quick`` 7) one worker
-process is killed with SIGKILL, the workers taking turns, as a batch system or a cloud
-provider would preempt it. Its nanny starts a fresh process, which joins with nothing: it
-copies the model's template again (peer to peer, from the surviving worker), and then at level
-``full`` loads the model once and keeps it, while at level ``partial`` every task it runs
-builds the model from that worker-local copy. The task that was running on the killed worker
-is run again elsewhere (``distributed.scheduler.allowed-failures`` is raised so that a task
-killed repeatedly is not declared lost).
+Each run is a fresh ``dask_pcm.local_cluster`` (4 workers x 1 thread by default, worker
+processes under a nanny) fed a continuous stream of FEVER scoring tasks (8 claims per task,
+one forward pass of the embedded SmolLM2-135M-Instruct each) for ``--window`` seconds (90;
+``--quick`` 20). In a run with kills, worker processes are killed with SIGKILL at the times of
+a seeded random schedule: a Poisson process with one kill every ``--period`` seconds on
+average (20; ``--quick`` 7), each victim drawn at random from the workers, as a batch system
+or a cloud provider would preempt them. Its nanny starts a fresh process, which joins with
+nothing: it copies the model's template again (peer to peer, from a surviving worker), and
+then at level ``full`` loads the model once and keeps it, while at level ``partial`` every
+task it runs builds the model from that worker-local copy. The task that was running on the
+killed worker is run again elsewhere (``distributed.scheduler.allowed-failures`` is raised so
+that a task killed repeatedly is not declared lost).
+
+The protocol (``_protocol``): ``--repetitions`` rounds (3; ``--quick`` 1). Round ``r`` draws
+one kill schedule from seed ``--seed + r`` and runs four variants in a random order: full and
+partial with that same schedule, and full and partial with no kills (the control). So each
+level's **loss to preemption** (1 - claims with kills / claims without, paired by round) and
+**full / partial** (with kills and without) come with a median and 95 % interval over the
+rounds, i.e. over at least 3 kill schedules.
 
 Measured, per level, within the window only:
 
 - ``tasks``, ``claims``: tasks whose results reached the client before the window closed, and
   the claims they scored; ``claims/s`` is claims / window. Tasks still queued or running at
   the close are cancelled and not counted, nor is the work the killed workers lost.
-- ``preemptions``: workers killed in the window (one at every multiple of the period).
+- ``preemptions``: workers killed in the window (the schedule's kills before its close).
 - ``errors``: tasks that ended in an error (they should be none); listed if any.
 - ``loads``, ``load_s``: model builds in the window and the seconds they took, summed over
   every worker process that ran, from ``dask_pcm.status`` (read just before each kill, since
@@ -27,10 +36,7 @@ Measured, per level, within the window only:
   process had its context ready (at ``partial``: its template copied; read once a second) and
   until it delivered its first result.
 
-The ratio printed last is claims(full) / claims(partial): how much more inference the resident
-context delivers under the same preemptions.
-
-What is outside the window: cluster start-up, a first model load in each of the first two
+What is outside the window: cluster start-up, a first model load in each of the first
 workers before ``register`` (then released; it imports torch, transformers and their lazily
 imported model code, about 3 s here, as in ``levels.py``), and ``register`` itself. What is
 inside: everything a preemption costs, including the restarted process's start, its imports
@@ -40,8 +46,8 @@ otherwise.
 
 Honesty note: the template is copied between two processes of one host and read from a warm
 page cache, so a rebuild at ``partial`` is cheaper than from a shared filesystem, and the
-restarted worker's start-up competes for the same two cores as the surviving worker. The
-machine is shared with other work: compare the two rows of one run, not digits across runs.
+restarted worker's start-up competes for the same two cores as the surviving workers (4
+workers on 2 cores: each worker gets half a core, at every level and in the control alike).
 
 Examples::
 
@@ -52,12 +58,13 @@ Examples::
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import _harness as h
+import _protocol as P
 import dask
 from distributed import Client, Future
 
@@ -66,7 +73,9 @@ import dask_pcm
 LEVELS = ("full", "partial")
 FINISHED = ("finished", "error")
 COLUMNS = [
+    ("round", "round", "d"),
     ("level", "level", ""),
+    ("preemption", "kills", ""),
     ("preemptions", "preemptions", "d"),
     ("tasks_done", "tasks", "d"),
     ("claims_done", "claims", "d"),
@@ -139,10 +148,28 @@ def preempt(client: Client, victim: str) -> dict | None:
     return {"worker": name, "pid": alive[name]}
 
 
+def kill_schedule(seed: int, window: float, period: float, workers: int) -> list[tuple[float, int]]:
+    """``(seconds into the window, index of the victim among the workers)`` of every kill: a
+    Poisson process of rate 1 / ``period`` over ``window``, victims drawn uniformly; the same
+    ``seed`` gives the same schedule (both levels of a round share it)."""
+    rng = random.Random(seed)
+    kills, t = [], rng.expovariate(1.0 / period)
+    while t < window:
+        kills.append((round(t, 2), rng.randrange(workers)))
+        t += rng.expovariate(1.0 / period)
+    return kills
+
+
 def run_level(
-    level: str, model: str, work: list[list[str]], workers: int, window: float, period: float
+    level: str,
+    model: str,
+    work: list[list[str]],
+    workers: int,
+    window: float,
+    schedule: list[tuple[float, int]],
 ) -> dict:
-    """Stream ``work`` (cycled) at ``level`` for ``window`` s, killing a worker every ``period``."""
+    """Stream ``work`` (cycled) at ``level`` for ``window`` s, killing workers as ``schedule``
+    says (none: the control)."""
     depth = 3 * workers  # one running and at least two waiting per worker
     with (
         dask.config.set({"distributed.scheduler.allowed-failures": 1000}),
@@ -161,7 +188,7 @@ def run_level(
         submitted = tasks = claims = 0
         start = time.perf_counter()
         deadline = start + window
-        next_kill = start + period
+        planned = list(schedule)
         next_read = start + 1.0
         while True:
             for future in [f for f in pending if f.status in FINISHED]:
@@ -178,14 +205,15 @@ def run_level(
             now = time.perf_counter()
             if now >= deadline:
                 break
-            if now >= next_read or now >= next_kill:
+            due = bool(planned) and now - start >= planned[0][0]
+            if now >= next_read or due:
                 watch.read(now - start)  # just before a kill too: the victim's row goes
                 next_read = now + 1.0
-            if now >= next_kill:
-                kill = preempt(client, names[len(kills) % len(names)])
+            if due:
+                _, victim = planned.pop(0)
+                kill = preempt(client, names[victim % len(names)])
                 if kill is not None:
                     kills.append({"t": round(time.perf_counter() - start, 2), **kill})
-                next_kill += period
             while len(pending) < depth:
                 i = submitted % len(work)
                 submitted += 1
@@ -209,7 +237,6 @@ def run_level(
     return {
         "level": level,
         "window_s": window,
-        "period_s": period,
         "preemptions": len(kills),
         "tasks_done": tasks,
         "claims_done": claims,
@@ -230,33 +257,75 @@ def _seconds(value: float | None) -> str:
     return "-- (not in the window)" if value is None else f"{value:.1f} s"
 
 
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per level, the loss to preemption; per kill setting, full / partial: median and 95 %
+    interval over rounds (each round one kill schedule, shared by both levels)."""
+    claims = P.by_variant(
+        [{**r, "variant": f"{r['level']}@{r['preemption']}"} for r in rows],
+        "variant",
+        "claims_done",
+    )
+    out = []
+    for level in LEVELS:
+        kept = P.ratio_interval(claims[f"{level}@seeded"], claims[f"{level}@none"])
+        loss = {**kept, "median": 1 - kept["median"], "low": 1 - kept["high"],
+                "high": 1 - kept["low"], "mean": 1 - kept["mean"]}  # fmt: skip
+        out.append({"metric": "loss_to_preemption", "level": level, **loss})
+        out.append({"metric": "kept_under_preemption", "level": level, **kept})
+    for kills in ("seeded", "none"):
+        ratio = P.ratio_interval(claims[f"full@{kills}"], claims[f"partial@{kills}"])
+        out.append(
+            {
+                "metric": "full_over_partial",
+                "kills": kills,
+                **ratio,
+                "clears_noise": P.clears(ratio),
+            }
+        )
+    return out
+
+
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--window", type=float, help="seconds of streaming per level (120; --quick 20)")
-    p.add_argument("--period", type=float, help="seconds between preemptions (20; --quick 7)")
+    p.set_defaults(workers=4)
+    p.add_argument("--window", type=float, help="seconds of streaming per run (90; --quick 20)")
+    p.add_argument("--period", type=float, help="mean seconds between preemptions (20; --quick 7)")
     p.add_argument("--claims", type=int, default=1024, help="claims in the stream, cycled (1024)")
     p.add_argument("--batch-size", type=int, default=8, help="claims per task (default 8)")
     args = p.parse_args()
-    window = args.window or (20.0 if args.quick else 120.0)
+    reps = P.repetitions(args.quick, args.repetitions)
+    window = args.window or (20.0 if args.quick else 90.0)
     period = args.period or (7.0 if args.quick else 20.0)
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, args.claims)
     work = h.batches([c.claim for c in claims], args.batch_size)
+    order = P.schedule([f"{lv}@{k}" for lv in LEVELS for k in ("seeded", "none")], reps, args.seed)
     print(
-        f"{window:g} s per level, one of {args.workers} workers x 1 thread killed every "
-        f"{period:g} s; tasks of {args.batch_size} claims from {len(claims)}; model {model}; "
-        f"load average {os.getloadavg()[0]:.2f}"
+        f"{window:g} s per run, {args.workers} workers x 1 thread, a worker killed every "
+        f"{period:g} s on average (seeded, shared by both levels of a round) or never; "
+        f"{len(order)} runs in {reps} rounds; tasks of {args.batch_size} claims from "
+        f"{len(claims)}; model {model}; load average {os.getloadavg()[0]:.2f}"
     )
-
     rows = []
-    run = uuid.uuid4().hex[:8]
+    reference: dict[int, list[int]] = {}
     with h._worker_environ():
-        for level in LEVELS:
-            rows.append(run_level(level, model, work, args.workers, window, period))
-            row = rows[-1]
+        for rnd, variant in order:
+            level, _, kills = variant.partition("@")
+            seed = args.seed + rnd
+            plan = kill_schedule(seed, window, period, args.workers) if kills == "seeded" else []
+            row = run_level(level, model, work, args.workers, window, plan)
+            row.update(round=rnd, preemption=kills, schedule_seed=seed if plan else None)
+            row["schedule"] = plan
+            # A benchmark of wrong answers is worthless: a batch must get the same
+            # predictions in every run, however often its task was killed and run again.
+            for i, predicted in row.pop("predictions").items():
+                if reference.setdefault(i, predicted) != predicted:
+                    raise AssertionError(f"batch {i} scored differently in {variant}, round {rnd}")
+            rows.append(row)
             print(
-                f"  {level}: {row['claims_done']} claims in {row['tasks_done']} tasks, "
+                f"  round {rnd} {level}, kills {kills}: {row['claims_done']} claims in "
+                f"{row['tasks_done']} tasks, {row['preemptions']} killed, "
                 f"load average {row['load_average']:.2f}",
                 flush=True,
             )
@@ -267,38 +336,46 @@ def main() -> None:
                     f"{_seconds(k['result_after_s'])}",
                     flush=True,
                 )
-    # A benchmark of wrong answers is worthless: a batch must get the same predictions at both
-    # levels, however often its task was killed and run again.
-    full, partial = (row.pop("predictions") for row in rows)
-    wrong = sum(full[i] != partial[i] for i in full.keys() & partial.keys())
-    if wrong:
-        raise AssertionError(f"{wrong} batches scored differently at levels full and partial")
-    for row in rows:
-        row["run"] = run
+    rows.sort(key=lambda r: (r["round"], r["level"], r["preemption"]))
     print()
     h.print_table(rows, COLUMNS)
-
-    by_level = {row["level"]: row for row in rows}
     print()
     for row in rows:
         for message in row["error_messages"]:
             print(f"error at level {row['level']}: {message}")
-    done = {level: by_level[level]["claims_done"] for level in LEVELS}
-    ratio = done["full"] / done["partial"] if done["partial"] else float("inf")
-    print(f"claims in the window, full / partial: {ratio:.2f}")
-    print(f"{len(full.keys() & partial.keys())} batches scored at both levels, identically")
-    h.write_json(args.json, rows)
-    plot(args.json, rows)
+    summary = summarise(rows)
+    for s in summary:
+        what = s.get("level") or f"kills {s['kills']}"
+        print(f"  {s['metric'].replace('_', ' '):<22} {what:<14} {P.format_interval(s)}")
+    print(f"{len(reference)} batches scored, identically in every run")
+    h.write_json(
+        args.json,
+        rows,
+        reps=reps,
+        summary=summary,
+        seed=args.seed,
+        window_s=window,
+        period_s=period,
+        workers=args.workers,
+    )
+    plot(args.json, rows, reps)
 
 
-def plot(path: Path | None, rows: list[dict]) -> None:
-    """Claims scored in the window per level (the PNG beside ``path``)."""
+def plot(path: Path | None, rows: list[dict], reps: int) -> None:
+    """Median claims scored in the window per level, with and without kills (beside ``path``)."""
+    medians = [
+        {"level": level, "kills": kills, "claims": P.interval(
+            [r["claims_done"] for r in rows if r["level"] == level and r["preemption"] == kills]
+        )["median"]}
+        for level in LEVELS for kills in ("none", "seeded")
+    ]  # fmt: skip
     h.plot_bars(
         path,
-        rows,
+        medians,
         "level",
-        "claims_done",
-        title=f"{rows[0]['window_s']:g} s, a worker killed every {rows[0]['period_s']:g} s",
+        "claims",
+        group="kills",
+        title=f"{rows[0]['window_s']:g} s per run, median of {reps} rounds",
         ylabel="claims scored in the window",
     )
 
