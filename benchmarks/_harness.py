@@ -115,21 +115,30 @@ def batches(items: Sequence[Any], size: int) -> list[list[Any]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
-def score(lm: Any, claims: Sequence[str]) -> list[int]:
+def score(lm: Any, claims: Sequence[str], prefix: bool = False) -> list[int]:
     """Predicted label index (into ``LABELS``) of each claim: one forward pass, scored as
     ``run_fever(method="logits")`` scores (:func:`dask_pcm.fever.scoring.score_logits`).
 
     The prompt goes through the chat template here, on the worker, because the template
-    belongs to the tokenizer that lives in the context.
+    belongs to the tokenizer that lives in the context. With ``prefix``, the template's part
+    before the claim is run once per worker and kept (``pcm.worker.prefix-cache``), as
+    ``run_fever`` does by default; the predictions are the same.
     """
     prompts = [TEMPLATE.render(c, lm.tokenizer) for c in claims]
-    rows = score_logits(lm, prompts, TEMPLATE.answers)
+    head = None
+    if prefix:
+        # Here, not at the top: levels.py's task processes import this module without
+        # Dask, and dask_pcm.fever.units brings it in.
+        from dask_pcm.fever.units import template_head
+
+        head = template_head(TEMPLATE, lm.tokenizer)
+    rows = score_logits(lm, prompts, TEMPLATE.answers, prefix=head)
     return [LABELS.index(r["predicted"]) for r in rows]
 
 
-def score_batch(claims: Sequence[str], context: str = CONTEXT) -> list[int]:
+def score_batch(claims: Sequence[str], context: str = CONTEXT, prefix: bool = False) -> list[int]:
     """The benchmark task: score ``claims`` with the context's model, whatever its level."""
-    return score(dask_pcm.get_context(context), claims)
+    return score(dask_pcm.get_context(context), claims, prefix)
 
 
 def accuracy(predictions: Sequence[int], claims: Sequence[Claim]) -> float:

@@ -2,13 +2,18 @@
 
 Scores N claims (512; ``--quick`` 32) in batches of 8, one forward pass of a causal LM per
 batch (default: the embedded SmolLM2-135M-Instruct), with the same number of workers (2 x 1
-thread by default), five ways, one after the other in one run, each on processes of its own:
+thread by default), six ways, each on processes of its own, in the protocol's rounds
+(``_protocol``: ``--repetitions``, default 3, ``--quick`` 1; every variant once per round, in a
+seeded random order):
 
 - ``ideal``: ``_harness.ideal``: one bare process per worker (multiprocessing, spawn) loads the
-  model once and scores its share of the batches back to back.
+  model once; the processes take the batches from one shared queue.
 - ``dask_pcm``: the context at level ``full`` on a ``dask_pcm.local_cluster``, as in
   ``levels.py``: ``dask_pcm.register`` loads the model once on every worker and
   ``dask_pcm.map`` sends ``_harness.score_batch`` to workers where it is ready.
+- ``dask_pcm-prefix``: the same with prompt-prefix reuse, as ``run_fever`` scores by default:
+  the template's part before the claim runs once per worker and its key/value states are
+  kept (``pcm.worker.prefix-cache``); the predictions must not change.
 - ``dask-per-task``: plain Dask written by hand, the first program a user writes: a
   ``distributed.LocalCluster`` (processes) and ``client.map`` of a function that builds the
   model with ``dask_pcm.CausalLM(device="cpu")`` and scores its batch: every task loads.
@@ -22,9 +27,12 @@ thread by default), five ways, one after the other in one run, each on processes
   skipped and the reason printed (``pip install -e '.[bench]'``); with
   ``PCM_BENCH_REQUIRE_RAY=1`` (set by CI) the run fails instead.
 
-What is timed (``seconds``): from submitting the work to having every result in the client;
-for the ideal, from all its processes loaded to all done. Everything a variant does after the
-submission is inside; what a user of that framework can do before submitting is not:
+Two windows per run. **End to end** (``end_to_end_s``): from the variant's first step (starting
+its cluster, ``ray.init`` or its processes) to having every result: start-up, imports,
+warm-up, ``register`` and every load inside, for every variant alike. **Steady**
+(``seconds``): from submitting the work to having every result in the client; for the ideal,
+from all its processes loaded to all done. In the steady window, everything a variant does
+after the submission is inside; what a user of that framework can do before submitting is not:
 
 - Outside, for every variant: starting the cluster (worker processes; for Ray, ``ray.init``
   with its own processes) and the imports. Every Dask worker loads the model once and drops it
@@ -51,9 +59,11 @@ tasks per worker are in the JSON (per worker process id for the hand-written var
 is ``total_seconds``: the variant from start to end, cluster start-up, warm-up and shutdown
 included. ``cpu``: CPU seconds of the worker processes during the window over workers x
 ``seconds`` (for Ray, of the actor processes from the start of ``__init__``): about 1.0 when
-each worker had its core. Ratios: claims/s over dask_pcm's claims/s, and efficiency = ideal
-seconds / seconds. Every variant must predict exactly what the ideal predicts; the run stops
-otherwise.
+each worker had its core. Summary, per window and variant, each a median and 95 % interval of
+per-round ratios: claims/s over dask_pcm's (``vs_dask_pcm``), and in the steady window the
+efficiency, ideal seconds / seconds; an efficiency above 1 beyond its interval is flagged as
+an error of measurement (the ideal is a lower bound). Every run must predict exactly what
+the first run predicted; the benchmark stops otherwise.
 
 Made equal, so that the rows differ in how the model is handled and in nothing else: every
 worker runs one OpenMP/MKL thread (torch's thread count is checked on every worker) and no
@@ -68,8 +78,7 @@ Plain Dask and a script: the hand-written functions are submitted as attributes 
 cache written in the script itself is never hit and every task loads (seen with distributed
 2026.8). In a module, as here, the cache works.
 
-The machine is shared with other work and has 2 vCPUs: compare rows of one run, not digits
-across runs.
+The machine is shared with other work and has 2 vCPUs: quote the intervals, not single rows.
 
 Examples::
 
@@ -79,6 +88,7 @@ Examples::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import logging
@@ -86,20 +96,20 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import _harness as h
+import _protocol as P
 import dask
 from distributed import Client, LocalCluster
 
 import dask_pcm
 
-VARIANTS = ("ideal", "dask_pcm", "dask-per-task", "dask-global", "ray-data")
+VARIANTS = ("ideal", "dask_pcm", "dask_pcm-prefix", "dask-per-task", "dask-global", "ray-data")
 COLUMNS = [
+    ("round", "round", "d"),
     ("variant", "variant", ""),
     ("tasks", "tasks", "d"),
     ("loads", "loads", "d"),
@@ -108,8 +118,7 @@ COLUMNS = [
     ("setup_seconds", "setup_s", ".2f"),
     ("seconds", "seconds", ".2f"),
     ("claims_per_s", "claims/s", ".2f"),
-    ("ratio_vs_dask_pcm", "vs dask_pcm", ".2f"),
-    ("efficiency", "efficiency", ".2f"),
+    ("end_to_end_seconds", "end_to_end_s", ".2f"),
     ("cpu_share", "cpu", ".2f"),
 ]
 # What dask_pcm's own workers run with (dask_pcm/deploy/local.py), given to the plain Dask clusters.
@@ -227,6 +236,7 @@ def run_ideal(model: str, work: list[list[str]], workers: int) -> dict:
         "load_seconds": base["load_seconds"],
         "setup_seconds": base["startup_seconds"],
         "seconds": base["wall_seconds"],
+        "end_to_end_seconds": base["startup_seconds"] + base["wall_seconds"],
         "cpu_share": base["cpu_seconds"] / (workers * base["wall_seconds"]),
         "loads_per_worker": [1] * workers,
         "tasks_per_worker": base["tasks_per_process"],
@@ -234,7 +244,10 @@ def run_ideal(model: str, work: list[list[str]], workers: int) -> dict:
     }
 
 
-def run_dask_pcm(model: str, work: list[list[str]], workers: int) -> dict:
+def run_dask_pcm(model: str, work: list[list[str]], workers: int, prefix: bool = False) -> dict:
+    """dask_pcm at level full; with ``prefix``, the template's head kept per worker."""
+    start = time.perf_counter()
+    task = functools.partial(h.score_batch, prefix=prefix)
     with (
         h.warm_cluster(model, workers) as client,
     ):
@@ -246,19 +259,21 @@ def run_dask_pcm(model: str, work: list[list[str]], workers: int) -> dict:
         loads_before = int(dask_pcm.status(client, [h.CONTEXT])["loads"].sum())
         cpu_before = client.run(time.process_time)
         with h.Timer() as wall:
-            futures = dask_pcm.map(client, h.score_batch, work, context=h.CONTEXT, pure=False)
+            futures = dask_pcm.map(client, task, work, context=h.CONTEXT, pure=False)
             predictions = client.gather(futures)
+        end_to_end = time.perf_counter() - start
         cpu_after = client.run(time.process_time)
         table = dask_pcm.status(client, [h.CONTEXT])
     if int(table["tasks"].sum()) != len(work) or set(table["level"]) != {"full"}:
         raise RuntimeError(f"status after the dask_pcm run does not add up:\n{table}")
     return {
-        "variant": "dask_pcm",
+        "variant": "dask_pcm-prefix" if prefix else "dask_pcm",
         "loads": int(table["loads"].sum()),
         "timed_loads": int(table["loads"].sum()) - loads_before,
         "load_seconds": float(table["load_seconds"].sum()),
         "setup_seconds": register.seconds,
         "seconds": wall.seconds,
+        "end_to_end_seconds": end_to_end,
         "cpu_share": sum(cpu_after[w] - cpu_before[w] for w in cpu_before)
         / (workers * wall.seconds),
         "loads_per_worker": [int(n) for n in table["loads"]],
@@ -270,6 +285,7 @@ def run_dask_pcm(model: str, work: list[list[str]], workers: int) -> dict:
 def run_plain_dask(variant: str, model: str, work: list[list[str]], workers: int) -> dict:
     """``dask-per-task`` or ``dask-global`` on a plain ``distributed.LocalCluster``."""
     fn = _by_reference(score_per_task if variant == "dask-per-task" else score_cached)
+    start = time.perf_counter()
     with (
         dask.config.set(PLAIN_DASK_CONFIG),
         LocalCluster(
@@ -284,6 +300,7 @@ def run_plain_dask(variant: str, model: str, work: list[list[str]], workers: int
         with h.Timer() as wall:
             futures = client.map(fn, work, model=model, pure=False)
             results = client.gather(futures)
+        end_to_end = time.perf_counter() - start
         cpu_after = client.run(time.process_time)
     pids = sorted({pid for _, pid, _ in results})
     loads = Counter(pid for _, pid, load in results if load is not None)
@@ -294,6 +311,7 @@ def run_plain_dask(variant: str, model: str, work: list[list[str]], workers: int
         "load_seconds": sum(load for _, _, load in results if load is not None),
         "setup_seconds": 0.0,
         "seconds": wall.seconds,
+        "end_to_end_seconds": end_to_end,
         "cpu_share": sum(cpu_after[w] - cpu_before[w] for w in cpu_before)
         / (workers * wall.seconds),
         "loads_per_worker": [loads[pid] for pid in pids],
@@ -319,6 +337,7 @@ def run_ray_data(model: str, work: list[list[str]], workers: int) -> dict:
     # No usage report to Anyscale (this machine has no internet), and a local instance of our
     # own even if another session runs Ray on this host.
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    start = time.perf_counter()
     ray.init(
         address="local",
         num_cpus=workers,
@@ -360,6 +379,7 @@ def run_ray_data(model: str, work: list[list[str]], workers: int) -> dict:
                     compute=ray.data.ActorPoolStrategy(size=workers),
                     num_cpus=1,
                 ).take_all()
+            end_to_end = time.perf_counter() - start
             actors = {
                 int(f.stem): json.loads(f.read_text()) for f in Path(report_dir).glob("*.json")
             }
@@ -383,6 +403,7 @@ def run_ray_data(model: str, work: list[list[str]], workers: int) -> dict:
         "load_seconds": sum(a["load_seconds"] for a in actors.values()),
         "setup_seconds": 0.0,
         "seconds": wall.seconds,
+        "end_to_end_seconds": end_to_end,
         "cpu_share": sum(a["cpu_seconds"] for a in actors.values()) / (workers * wall.seconds),
         "loads_per_worker": [1] * len(actors),
         "tasks_per_worker": [tasks[pid] for pid in sorted(actors)],
@@ -399,18 +420,48 @@ def _ray_missing() -> str | None:
     return None
 
 
-def _versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {}
-    for package in ("torch", "transformers", "distributed", "ray"):
-        try:
-            found[f"{package}_version"] = version(package)
-        except PackageNotFoundError:
-            found[f"{package}_version"] = None
-    return found
-
-
 def _flat(per_batch: list[list[int]]) -> list[int]:
     return [i for batch in per_batch for i in batch]
+
+
+def _run(variant: str, model: str, work: list[list[str]], workers: int) -> dict:
+    if variant == "ideal":
+        return run_ideal(model, work, workers)
+    if variant in ("dask_pcm", "dask_pcm-prefix"):
+        return run_dask_pcm(model, work, workers, prefix=variant == "dask_pcm-prefix")
+    if variant == "ray-data":
+        return run_ray_data(model, work, workers)
+    return run_plain_dask(variant, model, work, workers)
+
+
+def summarise(rows: list[dict], variants: list[str]) -> list[dict]:
+    """Per variant and window: seconds, claims/s over dask_pcm's (paired by round) and, in
+    the steady window, the efficiency (ideal / variant); median and 95 % interval each."""
+    out = []
+    for window, key in (("steady", "seconds"), ("end_to_end", "end_to_end_seconds")):
+        per = P.by_variant(rows, "variant", key)
+        for variant in variants:
+            row = {"variant": variant, "window": window}
+            out.append({**row, "metric": "seconds", **P.interval(per[variant])})
+            if "dask_pcm" in per and variant != "dask_pcm":
+                # claims/s over dask_pcm's = dask_pcm's seconds over this variant's
+                ratio = P.ratio_interval(per["dask_pcm"], per[variant])
+                out.append(
+                    {**row, "metric": "vs_dask_pcm", **ratio, "clears_noise": P.clears(ratio)}
+                )
+            if window == "steady" and variant != "ideal":
+                eff = P.ratio_interval(per["ideal"], per[variant])
+                out.append(
+                    {
+                        **row,
+                        "metric": "efficiency",
+                        **eff,
+                        # The ideal bounds every variant from below: above 1 beyond the
+                        # interval is an error of measurement.
+                        "measurement_error": eff["n"] > 1 and eff["low"] > 1,
+                    }
+                )
+    return out
 
 
 def main() -> None:
@@ -423,105 +474,96 @@ def main() -> None:
         help=f"comma-separated subset of {', '.join(VARIANTS)} (the ideal always runs)",
     )
     args = p.parse_args()
+    reps = P.repetitions(args.quick, args.repetitions)
     n = args.claims or (32 if args.quick else 512)
     chosen = ["ideal"] + [v for v in args.variants.split(",") if v and v != "ideal"]
     unknown = set(chosen) - set(VARIANTS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose among {', '.join(VARIANTS)}")
+    skipped: dict[str, str] = {}
+    if "ray-data" in chosen and (reason := _ray_missing()):
+        if os.environ.get("PCM_BENCH_REQUIRE_RAY") == "1":  # CI: absence is a failure
+            sys.exit(f"ray-data: ray cannot be imported and PCM_BENCH_REQUIRE_RAY=1: {reason}")
+        skipped["ray-data"] = reason
+        print(f"  ray-data: skipped, ray cannot be imported: {reason}", flush=True)
+        chosen.remove("ray-data")
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, n)
     work = h.batches([c.claim for c in claims], args.batch_size)
+    order = P.schedule(chosen, reps, args.seed)
     print(
         f"{n} claims in {len(work)} tasks of {args.batch_size}, {args.workers} workers x 1 thread, "
-        f"model {model}; load average {os.getloadavg()[0]:.2f}"
+        f"{len(order)} runs in {reps} rounds (seed {args.seed}), model {model}; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
-
     rows: list[dict] = []
-    skipped: dict[str, str] = {}
-    expected: list[int] = []
-    for variant in chosen:
-        if variant == "ray-data" and (reason := _ray_missing()):
-            if os.environ.get("PCM_BENCH_REQUIRE_RAY") == "1":  # CI: absence is a failure
-                sys.exit(f"ray-data: ray cannot be imported and PCM_BENCH_REQUIRE_RAY=1: {reason}")
-            skipped[variant] = reason
-            print(f"  ray-data: skipped, ray cannot be imported: {reason}", flush=True)
-            continue
+    expected: list[int] | None = None
+    for rnd, variant in order:
         with h._worker_environ(), h.Timer() as total:
-            if variant == "ideal":
-                row = run_ideal(model, work, args.workers)
-            elif variant == "dask_pcm":
-                row = run_dask_pcm(model, work, args.workers)
-            elif variant == "ray-data":
-                row = run_ray_data(model, work, args.workers)
-            else:
-                row = run_plain_dask(variant, model, work, args.workers)
-        row["tasks"] = len(work)
+            row = _run(variant, model, work, args.workers)
+        row.update(round=rnd, tasks=len(work), claims=n, claims_per_s=n / row["seconds"])
         row["total_seconds"] = total.seconds  # start-up, warm-up and shutdown included
         row["load_average"] = os.getloadavg()[0]
-        rows.append(row)
         print(
-            f"  {variant}: {row['seconds']:.1f} s ({total.seconds:.1f} s with start-up and "
-            f"shutdown), {row['timed_loads']} loads in the window, cpu share "
-            f"{row['cpu_share']:.2f}, load average {row['load_average']:.2f}",
+            f"  round {rnd} {variant}: {row['seconds']:.1f} s steady, "
+            f"{row['end_to_end_seconds']:.1f} s end to end, {row['timed_loads']} loads in the "
+            f"window, cpu share {row['cpu_share']:.2f}, load average {row['load_average']:.2f}",
             flush=True,
         )
-        # A benchmark of wrong answers is worthless: every variant must match the ideal exactly.
+        # A benchmark of wrong answers is worthless: every run must predict what the first did.
         got = _flat(row.pop("predictions"))
-        if variant == "ideal":
-            expected = got
-            continue
+        expected = expected or got
         wrong = sum(a != b for a, b in zip(got, expected, strict=True))
         if wrong:
-            raise AssertionError(f"{variant}: {wrong} of {n} predictions differ from the ideal")
-
-    by_variant = {row["variant"]: row for row in rows}
-    run = uuid.uuid4().hex[:8]  # one id for the rows of one invocation
-    for row in rows:
-        row["claims"] = n
-        row["claims_per_s"] = n / row["seconds"]
-    for row in rows:
-        row["efficiency"] = by_variant["ideal"]["seconds"] / row["seconds"]
-        row["ratio_vs_dask_pcm"] = (
-            row["claims_per_s"] / by_variant["dask_pcm"]["claims_per_s"]
-            if "dask_pcm" in by_variant
-            else float("nan")
-        )
-        row.update(
-            run=run,
-            workers=args.workers,
-            batch_size=args.batch_size,
-            model=model,
-            **_versions(),
-        )
+            raise AssertionError(f"{variant}, round {rnd}: {wrong} of {n} predictions differ")
+        rows.append(row)
+    rows.sort(key=lambda r: (r["round"], chosen.index(r["variant"])))
     print()
     h.print_table(rows, COLUMNS)
+    summary = summarise(rows, chosen)
     print()
-    for row in rows:
+    for s in summary:
+        if s["metric"] == "seconds":
+            continue
+        flag = "  MEASUREMENT ERROR: beats the ideal" if s.get("measurement_error") else ""
+        flag = flag or ("  (inside the noise)" if s.get("clears_noise") is False else "")
         print(
-            f"{row['variant']}: {row['claims_per_s']:.2f} claims/s, "
-            f"{row['ratio_vs_dask_pcm']:.2f} x dask_pcm, efficiency {row['efficiency']:.2f}; "
-            f"loads per worker {row['loads_per_worker']}, tasks per worker "
-            f"{row['tasks_per_worker']}"
+            f"  {s['variant']:<16} {s['window']:<10} {s['metric']:<12} {P.format_interval(s)}{flag}"
         )
-    if "ray-data" in by_variant:
-        warm = by_variant["ray-data"]["warm_actors"]
+    ray_rows = [r for r in rows if r["variant"] == "ray-data"]
+    if ray_rows:
+        warm = sum(r["warm_actors"] for r in ray_rows)
         print(
-            f"ray-data: {warm} of {by_variant['ray-data']['loads']} actors ran in a process "
+            f"ray-data: {warm} of {sum(r['loads'] for r in ray_rows)} actors ran in a process "
             "warmed up before the window"
         )
-    print(f"identical predictions in every variant; accuracy {h.accuracy(expected, claims):.3f}")
+    assert expected is not None
+    print(f"identical predictions in every run; accuracy {h.accuracy(expected, claims):.3f}")
     for variant, reason in skipped.items():
         print(f"{variant}: skipped ({reason})")
     h.write_json(
-        args.json, rows + [{"variant": v, "run": run, "skipped": r} for v, r in skipped.items()]
+        args.json,
+        rows,
+        reps=reps,
+        summary=summary,
+        seed=args.seed,
+        claims=n,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        model=model,
+        skipped=skipped,
     )
     h.plot_bars(
         args.json,
-        rows,
+        [
+            {**s, "claims_per_s": n / s["median"]}
+            for s in summary
+            if s["metric"] == "seconds" and s["window"] == "steady"
+        ],
         "variant",
         "claims_per_s",
-        title=f"FEVER scoring, {n} claims, {args.workers} workers x 1 thread",
+        title=f"FEVER scoring, {n} claims, {args.workers} workers x 1 thread (median of {reps})",
         ylabel="claims/s",
     )
 
