@@ -118,7 +118,7 @@ class Holder:
         # gc.collect() costs ~0.4 s in a process holding torch and transformers, more than
         # building a small model, and would bias the comparison between levels.
         release = getattr(self.context.loader, "release", None)
-        if release is not None:
+        if callable(release):  # a loader may have a plain attribute of that name
             release(value)
         del value
         if collect:

@@ -268,6 +268,25 @@ def test_unregister_frees_the_context_on_every_worker(cluster):
         dask_pcm.unregister(client, "rel")
 
 
+class LoaderWithAReleaseFile:
+    """A loader whose attribute ``release`` is data (a path), not a method."""
+
+    def __init__(self) -> None:
+        self.release = "/tmp/release-marker"
+
+    def __call__(self, location: str) -> dict[str, str]:
+        return {"location": location}
+
+
+def test_a_loader_attribute_named_release_that_is_not_callable_is_left_alone(cluster, caplog):
+    _, client = cluster
+    dask_pcm.register(client, dask_pcm.Context("attr", LoaderWithAReleaseFile(), template="t"))
+    with caplog.at_level("ERROR"):
+        dask_pcm.unregister(client, "attr")
+    assert "not callable" not in caplog.text
+    assert dask_pcm.status(client).empty
+
+
 def test_closing_worker_frees_its_context_before_close_returns():
     # A release left to a background thread could still be inside torch when the worker's
     # process exits, which aborted it ("terminate called without an active exception").
