@@ -15,10 +15,10 @@ few-shot and direct), N FEVER dev claims (default 64, ``--quick`` 32) in tasks o
 level ``full`` on one fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default); on a
 CPU worker it runs at most 8 prompts per forward pass, so a task of 16 claims is 2 passes.
 
-Per template: an untimed warm-up, then ``--repeats`` (default 3) repetitions, each one round
-with prefix reuse and one without, back to back, the first of the pair alternating (with
-first in repetitions 0, 2, ...; without first in 1, 3, ...), so that a slow stretch of this
-shared machine falls on both modes alike. A round scores all N claims; its claims/s is N over
+Per template: an untimed warm-up, then ``--repetitions`` (default 3, ``--quick`` 1), each one
+round with prefix reuse and one without, back to back, in a seeded random order (``--seed``,
+``_protocol``), so that a slow stretch of this shared machine falls on both modes alike; the
+ratio is summarised by its median, range and 95 % interval over the repetitions. A round scores all N claims; its claims/s is N over
 the seconds from submitting its tasks to having every result. The warm-up pays each worker's
 slower first passes on new shapes and fills the prefix cache: every task of the round is sent
 with prefix reuse once to every worker (pinned), then the round runs once without. The timed
@@ -60,7 +60,7 @@ Examples::
 
     python benchmarks/prefix.py --quick
     python benchmarks/prefix.py --json /tmp/prefix.json
-    python benchmarks/prefix.py --templates few-shot,chat-few-shot --repeats 5
+    python benchmarks/prefix.py --templates few-shot,chat-few-shot --repetitions 5
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import _harness as h
+import _protocol as P
 from distributed import Client, get_task_stream
 
 import dask_pcm
@@ -269,15 +270,18 @@ def run_template(
     chunks: list[list[Claim]],
     repeats: int,
     workers: list[str],
+    seed: int = 0,
 ) -> dict[str, Any]:
-    """Warm-up, then ``repeats`` pairs of rounds with and without prefix reuse."""
+    """Warm-up, then ``repeats`` pairs of rounds with and without prefix reuse, each pair in
+    a seeded random order (``_protocol.schedule``)."""
     n = sum(len(c) for c in chunks)
     warm_up(client, template, chunks, workers)
     pairs: list[dict[str, Any]] = []
     expected: list[dict[str, Any]] | None = None
     changed, diff = 0, 0.0
+    schedule = P.schedule(MODES, repeats, seed)
     for rep in range(repeats):
-        order = MODES if rep % 2 == 0 else MODES[::-1]
+        order = [mode for r, mode in schedule if r == rep]
         result = {}
         for mode in order:
             result[mode] = run_round(client, template, chunks, prefix=mode == "with")
@@ -335,6 +339,9 @@ def run_template(
         "ratio": with_cps / without_cps,
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        # The 95 % interval of the per-pair ratios (the protocol's; one pair: none).
+        "ratio_low": P.interval(ratios)["low"],
+        "ratio_high": P.interval(ratios)["high"],
         "ratio_range": f"{min(ratios):.2f}-{max(ratios):.2f}",
         "ratios": ratios,
         "task_ratio": statistics.median(p["task_seconds_without"] for p in pairs)
@@ -382,14 +389,12 @@ def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--claims", type=int, help="claims per round (default 64, --quick 32)")
     p.add_argument("--claims-per-task", type=int, default=16, help="claims per task (default 16)")
-    p.add_argument("--repeats", type=int, default=3, help="pairs of rounds per template (3)")
     p.add_argument(
         "--templates",
         help=f"comma-separated built-in templates (default all; --quick {QUICK_TEMPLATES})",
     )
     args = p.parse_args()
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    repeats = P.repetitions(args.quick, args.repetitions)
     n = args.claims or (32 if args.quick else 64)
     spec = args.templates or (QUICK_TEMPLATES if args.quick else None)
     templates = get_templates(spec)
@@ -400,7 +405,7 @@ def main() -> None:
     tokenizer = load_tokenizer(model)
     print(
         f"{n} claims in {len(chunks)} tasks of {args.claims_per_task}, {len(templates)} "
-        f"templates, {args.repeats} repetitions, {args.workers} workers x 1 thread, model "
+        f"templates, {repeats} repetitions, {args.workers} workers x 1 thread, model "
         f"{model}; load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
@@ -420,7 +425,9 @@ def main() -> None:
         rows_per_pass = info[0]["batch_size"]
         for template in templates:
             counts = token_counts(tokenizer, template, chunks, rows_per_pass)
-            rows.append({**counts, **run_template(client, template, chunks, args.repeats, workers)})
+            rows.append(
+                {**counts, **run_template(client, template, chunks, repeats, workers, args.seed)}
+            )
         after = client.gather(
             [
                 dask_pcm.submit(client, worker_model, context=CONTEXT, workers=[w], pure=False)
@@ -437,7 +444,7 @@ def main() -> None:
         "started": started,
         "claims": n,
         "claims_per_task": args.claims_per_task,
-        "repeats": args.repeats,
+        "repeats": repeats,
         "workers": args.workers,
         "rows_per_pass": rows_per_pass,
         "model": model,
@@ -479,7 +486,7 @@ def main() -> None:
     changed = {row["template"]: row["changed_labels"] for row in rows if row["changed_labels"]}
     if not changed:
         print(f"identical predictions with and without prefix reuse in all {len(rows)} templates")
-    h.write_json(args.json, rows)
+    h.write_json(args.json, rows, reps=repeats, seed=args.seed)
     plot = [
         {
             "template": row["template"],
@@ -496,7 +503,7 @@ def main() -> None:
         "claims_per_second",
         group="mode",
         title=f"{n} FEVER claims per round, tasks of {args.claims_per_task}, {args.workers} "
-        f"workers, median of {args.repeats}",
+        f"workers, median of {repeats}",
         ylabel="claims/s (higher is better)",
     )
     if changed:
