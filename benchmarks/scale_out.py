@@ -37,10 +37,10 @@ import os
 import socket
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import _harness as h
+import _protocol as P
 import dask
 import psutil
 from distributed import Client
@@ -82,6 +82,9 @@ TRANSFER_COLUMNS = [
     ("first_mb_per_s", "first_MB/s", ".0f"),
     ("peak_extra_rss_mb", "peak_extra_RSS_MB", ".0f"),
 ]
+
+
+MODES = ("source", "p2p")
 
 
 def loopback_rate(nbytes: int, block: int = 1 << 20, verify: bool = False) -> float:
@@ -298,7 +301,7 @@ def simulated(args: argparse.Namespace) -> None:
     )
     rows = []
     for n in sizes:
-        for mode in ("source", "p2p"):
+        for mode in MODES:
             r = simulate(
                 n,
                 mode,
@@ -330,11 +333,10 @@ def simulated(args: argparse.Namespace) -> None:
     for ref in (1, 8):
         if ref < big and (ref, "p2p") in by:
             print(f"p2p held at N={big} / N={ref}: {by[(big, 'p2p')] / by[(ref, 'p2p')]:.2f}")
-    run = uuid.uuid4().hex[:8]
     for r in rows:
-        r["run"] = run
         r["fit_p2p"], r["fit_source"] = fits["p2p"], fits["source"]
-    h.write_json(args.json, rows)
+    # Simulated time is deterministic (only the directory's real CPU charge moves): one run.
+    h.write_json(args.json, rows, summary={"fits": fits}, simulated=True)
     plot_simulated(args.json, rows, fits)
 
 
@@ -410,21 +412,25 @@ def main() -> None:
         f"template {manifest.total_bytes / 1e6:.0f} MB in {manifest.nchunks} chunks; "
         f"simulated shared FS {rate / 1e6:.0f} MB/s for the whole host"
     )
+    reps = P.repetitions(args.quick, args.repetitions)
     rows: list[dict] = []
     with h._worker_environ():
         transfers = [transfer_alone(model, mib) for mib in ((64,) if args.quick else (16, 64))]
         # The baseline in the same run, right after the copies it is compared with.
         loop = loopback(manifest.total_bytes)
-        for n in [] if args.transfer_only else sizes:
-            for mode in ("source", "p2p"):
-                rows.append(scale_out(n, mode, model, rate))
-                r = rows[-1]
-                print(
-                    f"  N={n} {mode}: held {r['held_seconds']:.2f} s, ready {r['seconds']:.2f} s",
-                    flush=True,
-                )
+        variants = [] if args.transfer_only else [f"{m}@{n}" for n in sizes for m in MODES]
+        for rnd, variant in P.schedule(variants, reps, args.seed):
+            mode, _, n_text = variant.partition("@")
+            rows.append({"round": rnd, **scale_out(int(n_text), mode, model, rate)})
+            r = rows[-1]
+            print(
+                f"  round {rnd} N={r['n']} {mode}: held {r['held_seconds']:.2f} s, "
+                f"ready {r['seconds']:.2f} s",
+                flush=True,
+            )
+    rows.sort(key=lambda r: (r["round"], r["n"], r["mode"]))
     if rows:
-        h.print_table(rows, COLUMNS)
+        h.print_table(rows, [("round", "round", "d"), *COLUMNS])
     print("\none worker copying the template from another, nothing else running:")
     h.print_table(transfers, TRANSFER_COLUMNS)
     raw, verified = loop["loopback_mb_per_s"], loop["verified_loopback_mb_per_s"]
@@ -442,35 +448,64 @@ def main() -> None:
             f"{t['peak_extra_rss_mb'] / (t['chunk_mib'] * 1.048576):.1f} chunks, "
             f"{t['peak_extra_rss_mb'] / t['template_mb']:.2f} of the template"
         )
-    for n in sorted({r["n"] for r in rows}):
-        src = next(r for r in rows if r["n"] == n and r["mode"] == "source")
-        p2p = next(r for r in rows if r["n"] == n and r["mode"] == "p2p")
-        print(
-            f"N={n}: source/p2p held {src['held_seconds'] / p2p['held_seconds']:.2f}, "
-            f"ready {src['seconds'] / p2p['seconds']:.2f}"
+    summary = summarise(rows)
+    for entry in summary:
+        if entry["metric"] != "seconds":
+            print(
+                f"  {entry['metric'].replace('_', ' ')} at N={entry['n']}: {P.format_interval(entry)}"
+            )
+    h.write_json(
+        args.json,
+        rows,
+        reps=reps,
+        summary={"intervals": summary, "transfer_alone": transfers, "loopback": loop},
+        seed=args.seed,
+        source_mb_per_s=rate / 1e6,
+        template_mb=manifest.total_bytes / 1e6,
+    )
+    plot(args.json, summary)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Per N: held and ready seconds per mode, source / p2p (held), and p2p held at N over
+    N=1 (the broadcast's growth), each a median and 95 % interval over rounds."""
+    out: list[dict] = []
+    key = {(r["mode"], r["n"], r["round"]): r for r in rows}
+    sizes = sorted({r["n"] for r in rows})
+    rounds = sorted({r["round"] for r in rows})
+
+    def series(mode: str, n: int, field: str) -> list[float]:
+        return [key[(mode, n, rnd)][field] for rnd in rounds]
+
+    for n in sizes:
+        for mode in MODES:
+            for field, what in (("held_seconds", "held"), ("seconds", "ready")):
+                out.append(
+                    {"metric": "seconds", "what": what, "n": n, "mode": mode,
+                     **P.interval(series(mode, n, field))}
+                )  # fmt: skip
+        held = P.ratio_interval(
+            series("source", n, "held_seconds"), series("p2p", n, "held_seconds")
         )
-    one = next((r for r in rows if r["n"] == 1 and r["mode"] == "p2p"), None)
-    for r in rows:
-        if one and r["mode"] == "p2p" and r["n"] > 1:
-            print(f"p2p held at N={r['n']} / N=1: {r['held_seconds'] / one['held_seconds']:.2f}")
-    run = uuid.uuid4().hex[:8]  # one id for the rows of one invocation
-    for r in rows:
-        r.update(loop)
-        r["transfer_alone"] = transfers
-        r["run"] = run
-    h.write_json(args.json, rows or [{"transfer_alone": transfers, **loop}])
-    plot(args.json, rows)
+        out.append({"metric": "source_over_p2p_held", "n": n, **held})
+        if 1 in sizes and n > 1:
+            growth = P.ratio_interval(
+                series("p2p", n, "held_seconds"), series("p2p", 1, "held_seconds")
+            )
+            out.append({"metric": "p2p_held_over_n1", "n": n, **growth})
+    return out
 
 
-def plot(path: Path | None, rows: list[dict]) -> None:
-    """Seconds until every worker holds the template, per N and mode (the PNG beside
+def plot(path: Path | None, summary: list[dict]) -> None:
+    """Median seconds until every worker holds the template, per N and mode (the PNG beside
     ``path``)."""
-    if rows:
+    held = [e for e in summary if e["metric"] == "seconds" and e["what"] == "held"]
+    if held:
         h.plot_bars(
             path,
-            rows,
+            held,
             "n",
-            "held_seconds",
+            "median",
             group="mode",
             title="N workers, template from the source or peer to peer",
             ylabel="s until all hold it (lower is better)",
