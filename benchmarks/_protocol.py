@@ -171,12 +171,21 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _checkout() -> tuple[str | None, bool | None]:
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return _git("rev-parse", "HEAD"), (bool(status) if status is not None else None)
+
+
+# The code that runs is the code checked out when the benchmark starts (a commit made while
+# it runs must not be stamped on its figures).
+_COMMIT, _DIRTY = _checkout()
+
+
 def meta(reps: int, **extra: Any) -> dict[str, Any]:
     """What the figures of one run were measured on and with (see the module's docstring)."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(status) if status is not None else None,
+        "commit": _COMMIT,
+        "dirty": _DIRTY,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(_STARTED)),
         "seconds": round(time.time() - _STARTED, 1),
         "cpu": _cpu_model(),

@@ -3,7 +3,7 @@
 The same N FEVER claims (default 256, ``--quick`` 16), the same prompt and scoring task as
 ``levels.py`` (``_harness.score_batch``: one-token answers True/False/Unknown, the embedded
 SmolLM2-135M-Instruct by default), cut into tasks of 1, 4, 16 and 64 claims (``--sizes``, e.g.
-``1,2,4,8,16,32,64``; ``--quick``: 1, 4, 16). One ``dask_pcm.local_cluster`` (2 workers x 1
+``1,2,4,8,16,32,64``; ``--quick``: 1, 16). One ``dask_pcm.local_cluster`` (2 workers x 1
 thread by default) holds the model as two contexts, one per level (``llm-partial``,
 ``llm-full``), so that every (level, size) run shares the same workers and the runs can be
 interleaved: the protocol's rounds (``_protocol``, ``--repetitions``, default 3), each running
@@ -180,7 +180,7 @@ def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--claims", type=int, help="claims to score (default 256, --quick 16)")
     p.add_argument(
-        "--sizes", help="comma-separated claims per task (default 1,4,16,64; --quick 1,4,16)"
+        "--sizes", help="comma-separated claims per task (default 1,4,16,64; --quick 1,16)"
     )
     p.add_argument(
         "--levels", default="partial,full", help="comma-separated levels (default partial,full)"
@@ -188,7 +188,7 @@ def main() -> None:
     args = p.parse_args()
     reps = P.repetitions(args.quick, args.repetitions)
     n = args.claims or (16 if args.quick else 256)
-    sizes = [int(s) for s in (args.sizes or ("1,4,16" if args.quick else "1,4,16,64")).split(",")]
+    sizes = [int(s) for s in (args.sizes or ("1,16" if args.quick else "1,4,16,64")).split(",")]
     levels = [config.check_level(level.strip()) for level in args.levels.split(",")]
 
     model = h.model_path(args)

@@ -2,12 +2,13 @@
 while workers are killed at random, at context levels full and partial, each against a
 no-kill control.
 
-Each run is a fresh ``dask_pcm.local_cluster`` (4 workers x 1 thread by default, worker
+Each run is a fresh ``dask_pcm.local_cluster`` (4 workers x 1 thread by default, ``--quick``
+2; worker
 processes under a nanny) fed a continuous stream of FEVER scoring tasks (8 claims per task,
 one forward pass of the embedded SmolLM2-135M-Instruct each) for ``--window`` seconds (90;
-``--quick`` 20). In a run with kills, worker processes are killed with SIGKILL at the times of
+``--quick`` 8). In a run with kills, worker processes are killed with SIGKILL at the times of
 a seeded random schedule: a Poisson process with one kill every ``--period`` seconds on
-average (20; ``--quick`` 7), each victim drawn at random from the workers, as a batch system
+average (20; ``--quick`` 3), each victim drawn at random from the workers, as a batch system
 or a cloud provider would preempt them. Its nanny starts a fresh process, which joins with
 nothing: it copies the model's template again (peer to peer, from a surviving worker), and
 then at level ``full`` loads the model once and keeps it, while at level ``partial`` every
@@ -287,15 +288,16 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.set_defaults(workers=4)
-    p.add_argument("--window", type=float, help="seconds of streaming per run (90; --quick 20)")
-    p.add_argument("--period", type=float, help="mean seconds between preemptions (20; --quick 7)")
+    p.set_defaults(workers=None)
+    p.add_argument("--window", type=float, help="seconds of streaming per run (90; --quick 8)")
+    p.add_argument("--period", type=float, help="mean seconds between preemptions (20; --quick 3)")
     p.add_argument("--claims", type=int, default=1024, help="claims in the stream, cycled (1024)")
     p.add_argument("--batch-size", type=int, default=8, help="claims per task (default 8)")
     args = p.parse_args()
     reps = P.repetitions(args.quick, args.repetitions)
-    window = args.window or (20.0 if args.quick else 90.0)
-    period = args.period or (7.0 if args.quick else 20.0)
+    args.workers = args.workers or (2 if args.quick else 4)
+    window = args.window or (8.0 if args.quick else 90.0)
+    period = args.period or (3.0 if args.quick else 20.0)
 
     model = h.model_path(args)
     claims = h.load_claims(args.data, args.claims)

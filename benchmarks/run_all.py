@@ -53,6 +53,7 @@ def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--only", help=f"comma-separated subset of {','.join(SCRIPTS)}")
     p.add_argument("--out", type=Path, help="folder for every script's JSON and PNG")
+    p.set_defaults(workers=None)
     args = p.parse_args()
     names = args.only.split(",") if args.only else list(SCRIPTS)
     unknown = [n for n in names if n not in SCRIPTS]
@@ -63,7 +64,11 @@ def main() -> None:
     )
     out.mkdir(parents=True, exist_ok=True)
     passthrough = ["--quick"] if args.quick else []
-    passthrough += ["--workers", str(args.workers)]
+    if args.workers is not None:  # else each script's own default (preemption.py: 4)
+        passthrough += ["--workers", str(args.workers)]
+    if args.repetitions is not None:
+        passthrough += ["--repetitions", str(args.repetitions)]
+    passthrough += ["--seed", str(args.seed)]
     if args.model or args.quick:
         # A smoke run checks that every script runs end to end, not how fast: on the tiny
         # random model it fits in a few minutes.
