@@ -29,7 +29,7 @@ least 0.9) and context-restricted / plain-restricted.
 Examples::
 
     python benchmarks/scheduler_overhead.py --quick
-    python benchmarks/scheduler_overhead.py --tasks 20000 --json overhead.json
+    python benchmarks/scheduler_overhead.py --tasks 20000 --repetitions 5 --json overhead.json
 """
 
 from __future__ import annotations
@@ -146,9 +146,9 @@ def _round(client: Client, kind: str, r: int, n: int, ready: list[str]) -> dict:
 
 def main() -> None:
     p = h.parser(__doc__.split("\n\n")[0])
-    p.add_argument("--tasks", type=int, help="tasks per round (default 20000, --quick 2000)")
+    p.add_argument("--tasks", type=int, help="tasks per round (default 10000, --quick 2000)")
     args = p.parse_args()
-    n = args.tasks or (2000 if args.quick else 20000)
+    n = args.tasks or (2000 if args.quick else 10000)
     reps = P.repetitions(args.quick, args.repetitions)
     order = P.schedule(KINDS, reps, args.seed)
     rows = []
