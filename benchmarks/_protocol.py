@@ -87,11 +87,11 @@ def t95(n: int) -> float:
 
 
 def interval(values: Sequence[float]) -> dict[str, Any]:
-    """``{"n", "median", "mean", "low", "high"}`` of positive ``values`` (seconds, rates,
+    """``{"runs", "median", "mean", "low", "high"}`` of positive ``values`` (seconds, rates,
     ratios): the 95 % Student-t interval of their mean taken on a log scale, so that it is
     a factor either side (never below 0) and a ratio and its inverse get mirrored intervals;
     ``mean`` is the geometric mean. With one value, low and high are that value (no
-    interval: ``n`` says so)."""
+    interval: ``runs`` says so)."""
     xs = [float(v) for v in values]
     if not xs:
         raise ValueError("no values to summarise")
@@ -101,7 +101,7 @@ def interval(values: Sequence[float]) -> dict[str, Any]:
     centre = statistics.fmean(logs)
     half = t95(len(xs)) * statistics.stdev(logs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
     return {
-        "n": len(xs),
+        "runs": len(xs),
         "median": statistics.median(xs),
         "mean": math.exp(centre),
         "low": math.exp(centre - half),
@@ -118,7 +118,7 @@ def ratio_interval(numerator: Sequence[float], denominator: Sequence[float]) -> 
 
 def clears(summary: dict[str, Any], than: float = 1.0) -> bool | None:
     """Whether the interval lies wholly above or below ``than``; None with one value."""
-    if summary["n"] < 2:
+    if summary["runs"] < 2:
         return None
     return bool(summary["low"] > than or summary["high"] < than)
 
@@ -135,7 +135,7 @@ def format_interval(summary: dict[str, Any], spec: str = ".2f") -> str:
     """``"1.38 (1.21-1.55)"`` (an en dash): median and interval; the median alone with one
     value."""
     median = format(summary["median"], spec)
-    if summary["n"] < 2:
+    if summary["runs"] < 2:
         return median
     return f"{median} ({format(summary['low'], spec)}\u2013{format(summary['high'], spec)})"
 

@@ -168,7 +168,7 @@ def summarise(rows: list[dict], levels: list[str], sizes: list[int]) -> list[dic
                         **row,
                         "metric": "efficiency",
                         **eff,
-                        "measurement_error": eff["n"] > 1 and eff["low"] > 1,
+                        "measurement_error": eff["runs"] > 1 and eff["low"] > 1,
                     }
                 )
             share = P.ratio_interval(rate[(level, size)], rate[(level, best)])

@@ -413,7 +413,7 @@ def summarise(rows: list[dict], settings: list[float | None]) -> list[dict]:
                         # The ideal bounds full from below; beyond its interval, above 1 is
                         # an error of measurement, not a faster-than-ideal full.
                         **(
-                            {"measurement_error": ratio["n"] > 1 and ratio["low"] > 1}
+                            {"measurement_error": ratio["runs"] > 1 and ratio["low"] > 1}
                             if level == "ideal"
                             else {}
                         ),

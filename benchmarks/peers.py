@@ -458,7 +458,7 @@ def summarise(rows: list[dict], variants: list[str]) -> list[dict]:
                         **eff,
                         # The ideal bounds every variant from below: above 1 beyond the
                         # interval is an error of measurement.
-                        "measurement_error": eff["n"] > 1 and eff["low"] > 1,
+                        "measurement_error": eff["runs"] > 1 and eff["low"] > 1,
                     }
                 )
     return out

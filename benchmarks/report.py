@@ -216,6 +216,47 @@ def pick(rows: Iterable[dict[str, Any]], **where: Any) -> dict[str, Any]:
     return found[0]
 
 
+class Figure(NamedTuple):
+    """A summarised figure: median and 95 % interval over ``n`` repetitions (``_protocol``);
+    a figure from an unstamped JSON is one run: low and high are the value, ``n`` is 1."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+
+def single(value: float) -> Figure:
+    return Figure(value, value, value, 1)
+
+
+def entry(src: Loaded, **where: Any) -> dict[str, Any]:
+    """The one summary entry of a stamped JSON whose items include ``where``."""
+    summary = src.summary["intervals"] if isinstance(src.summary, dict) else src.summary
+    return pick(summary or [], **where)
+
+
+def figure(src: Loaded, **where: Any) -> Figure:
+    e = entry(src, **where)
+    return Figure(e["median"], e["low"], e["high"], e["runs"])
+
+
+def show(f: Figure, spec: str = ".2f", strong: bool = False) -> str:
+    """``1.38 (1.21-1.55)`` (an en dash), the median bold with ``strong``; the median alone
+    for one run."""
+    median = bold(num(f.median, spec)) if strong else num(f.median, spec)
+    return median if f.n < 2 else f"{median} ({span(f.low, f.high, spec)})"
+
+
+def medians(rows: Iterable[dict[str, Any]], key: str, **where: Any) -> float:
+    """The median of ``row[key]`` over the rows (rounds) whose items include ``where``."""
+    values = sorted(r[key] for r in rows if all(r.get(k) == v for k, v in where.items()))
+    if not values:
+        raise ReportError(f"no rows where {where}")
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 # -- generators: one table of one benchmark ---------------------------------------------------
 LEVELS: list[Column] = [
     ("level", "level", ""),
@@ -231,9 +272,59 @@ LEVELS: list[Column] = [
 ]
 
 
+def _source_text(mb_per_s: float | None) -> str:
+    return f"{mb_per_s:g} MB/s" if mb_per_s else "no limit"
+
+
 def _levels(folder: Path) -> Block:
     src = load("levels", folder)
-    return Block(columns_table(src.rows, LEVELS), [src])
+    if src.meta is None:
+        return Block(columns_table(src.rows, LEVELS), [src])
+    settings = sorted({r["source_mb_per_s"] for r in src.rows if r["level"] != "ideal"},
+                      key=lambda b: -(b or float("inf")))  # fmt: skip
+    body = []
+    for mb in [None, *[b for b in settings if b]]:
+        for level in ("ideal", "agnostic", "partial", "full", "process-per-task"):
+            where = {"level": level, "source_mb_per_s": None if level == "ideal" else mb}
+            if level == "ideal" and mb is not None:
+                continue
+            if not any(all(r.get(k) == v for k, v in where.items()) for r in src.rows):
+                continue
+            steady = figure(src, metric="seconds", window="steady", level=level,
+                            source_mb_per_s=mb)  # fmt: skip
+            whole = figure(src, metric="seconds", window="end_to_end", level=level,
+                           source_mb_per_s=mb)  # fmt: skip
+            body.append([
+                level, _source_text(mb), show(steady), show(whole),
+                num(medians(src.rows, "loads", **where), ".0f"),
+                num(medians(src.rows, "mb_from_source", **where), ",.0f"),
+                num(medians(src.rows, "cpu_share", **where)),
+            ])  # fmt: skip
+    first = table(
+        ["level", "source", "steady s", "end-to-end s", "loads", "MB from source", "cpu"],
+        body,
+        "llrrrrr",
+    )
+    ratios = []
+    for mb in [None, *[b for b in settings if b]]:
+        for window in ("steady", "end_to_end"):
+            cells = [_source_text(mb), window.replace("_", " ")]
+            for metric in ("agnostic_over_full", "partial_over_full",
+                           "process-per-task_over_full", "full_efficiency"):  # fmt: skip
+                try:
+                    f = figure(src, metric=metric, window=window, source_mb_per_s=mb)
+                except ReportError:
+                    cells.append("")
+                    continue
+                cells.append(show(f) + ("" if f.n < 2 or f.low > 1 or f.high < 1 else " ~"))
+            ratios.append(cells)
+    second = table(
+        ["source", "window", "agnostic / full", "partial / full", "process-per-task / full",
+         "efficiency (ideal / full)"],
+        ratios,
+        "llrrrr",
+    )  # fmt: skip
+    return Block(f"{first}\n\n{second}", [src])
 
 
 BATCH_SIZES: list[Column] = [
@@ -253,7 +344,25 @@ BATCH_SIZES: list[Column] = [
 
 def _batch_sizes(folder: Path) -> Block:
     src = load("batch-sizes", folder)
-    return Block(columns_table(src.rows, BATCH_SIZES), [src])
+    if src.meta is None:
+        return Block(columns_table(src.rows, BATCH_SIZES), [src])
+    body = []
+    for level in ("partial", "full", "ideal"):
+        for size in sorted({r["batch_size"] for r in src.rows if r["level"] == level}):
+            where = {"level": level, "batch_size": size}
+            rate = figure(src, metric="claims_per_second", **where)
+            eff = "" if level == "ideal" else show(figure(src, metric="efficiency", **where))
+            tasks = [
+                "" if level == "ideal" else num(medians(src.rows, key, **where))
+                for key in ("task_median_seconds", "task_max_seconds")
+            ]
+            body.append([
+                level, str(size), str(pick(src.rows, round=0, **where)["tasks"]),
+                show(rate), eff, show(figure(src, metric="share_of_best", **where)), *tasks,
+            ])  # fmt: skip
+    head = ["level", "batch", "tasks", "claims/s", "efficiency (ideal / level)",
+            "share of the level's best", "task median s", "task max s"]  # fmt: skip
+    return Block(table(head, body, "lrrrrrrr"), [src])
 
 
 PREEMPTION: list[Column] = [
@@ -270,7 +379,39 @@ PREEMPTION: list[Column] = [
 
 def _preemption(folder: Path) -> Block:
     src = load("preemption", folder)
-    return Block(columns_table(src.rows, PREEMPTION), [src])
+    if src.meta is None:
+        return Block(columns_table(src.rows, PREEMPTION), [src])
+    body = []
+    for level in ("full", "partial"):
+        for kills in ("seeded", "none"):
+            where = {"level": level, "preemption": kills}
+            claims = [r["claims_done"] for r in src.rows if r.items() >= where.items()]
+            body.append([
+                level, "random, seeded" if kills == "seeded" else "none (control)",
+                num(medians(src.rows, "preemptions", **where), ".0f"),
+                f"{medians(src.rows, 'claims_done', **where):,.0f} "
+                f"({min(claims):,}{DASH}{max(claims):,})",
+                num(medians(src.rows, "loads", **where), ".0f"),
+                str(sum(r["errors"] for r in src.rows if r.items() >= where.items())),
+            ])  # fmt: skip
+    first = table(
+        ["level", "kills", "preemptions", "claims (range)", "loads", "errors"], body, "llrrrr"
+    )
+    second = table(
+        ["figure", "median (95 % interval)"],
+        [
+            ["full: share of claims lost to preemption",
+             show(figure(src, metric="loss_to_preemption", level="full"))],
+            ["partial: share of claims lost to preemption",
+             show(figure(src, metric="loss_to_preemption", level="partial"))],
+            ["claims full / partial, with kills",
+             show(figure(src, metric="full_over_partial", kills="seeded"), strong=True)],
+            ["claims full / partial, no kills",
+             show(figure(src, metric="full_over_partial", kills="none"))],
+        ],
+        "lr",
+    )  # fmt: skip
+    return Block(f"{first}\n\n{second}", [src])
 
 
 SCALE_OUT_SIMULATED: list[Column] = [
@@ -306,7 +447,34 @@ SCALE_OUT: list[Column] = [
 
 def _scale_out(folder: Path) -> Block:
     src = load("scale-out", folder)
-    return Block(columns_table(src.rows, SCALE_OUT), [src])
+    if src.meta is None:
+        return Block(columns_table(src.rows, SCALE_OUT), [src])
+    body = []
+    sizes = sorted({r["n"] for r in src.rows})
+    for n in sizes:
+        for mode in ("source", "p2p"):
+            where = {"n": n, "mode": mode}
+            held = figure(src, metric="seconds", what="held", **where)
+            ready = figure(src, metric="seconds", what="ready", **where)
+            ratio = ""
+            if mode == "p2p" and n > 1 and 1 in sizes:
+                ratio = show(figure(src, metric="p2p_held_over_n1", n=n))
+            body.append([
+                str(n), mode, show(held), num(medians(src.rows, "held_cpu_floor_seconds", **where)),
+                show(ready), ratio,
+                num(medians(src.rows, "mb_from_source", **where), ",.0f"),
+                num(medians(src.rows, "mb_from_peers", **where), ",.0f"),
+            ])  # fmt: skip
+    head = ["N", "mode", "held s", "CPU s / cores while held", "ready s", "p2p held / N=1",
+            "MB from source", "MB from peers"]  # fmt: skip
+    first = table(head, body, "rlrrrrrr")
+    ratios = table(
+        ["N", "source / p2p, held"],
+        [[str(n), show(figure(src, metric="source_over_p2p_held", n=n), strong=n == sizes[-1])]
+         for n in sizes],
+        "rr",
+    )  # fmt: skip
+    return Block(f"{first}\n\n{ratios}", [src])
 
 
 TRANSFER: list[Column] = [
@@ -324,9 +492,18 @@ def _scale_out_transfer(folder: Path) -> Block:
     src = load("scale-out", folder)
     # Every row carries the same single-copy measurement; chunks held is the peak extra
     # memory (MB) in chunks of that size (MiB).
+    if src.meta is None:
+        transfers, loop = src.rows[0]["transfer_alone"], src.rows[0]
+    else:
+        transfers, loop = src.summary["transfer_alone"], src.summary["loopback"]
     rows = [
-        {**t, "chunks_held": t["peak_extra_rss_mb"] * 1e6 / (t["chunk_mib"] * 2**20)}
-        for t in src.rows[0]["transfer_alone"]
+        {
+            **t,
+            "chunks_held": t["peak_extra_rss_mb"] * 1e6 / (t["chunk_mib"] * 2**20),
+            "of_loopback": t["mb_per_s"] / loop["loopback_mb_per_s"],
+            "of_verified_loopback": t["mb_per_s"] / loop["verified_loopback_mb_per_s"],
+        }
+        for t in transfers
     ]
     return Block(columns_table(rows, TRANSFER), [src])
 
@@ -348,7 +525,25 @@ PEERS: list[Column] = [
 
 def _peers(folder: Path) -> Block:
     src = load("peers", folder)
-    return Block(columns_table(src.rows, PEERS), [src])
+    if src.meta is None:
+        return Block(columns_table(src.rows, PEERS), [src])
+    body = []
+    variants = list(dict.fromkeys(r["variant"] for r in src.rows))
+    for v in variants:
+        vs = [
+            "1" if v == "dask_pcm" else show(figure(src, metric="vs_dask_pcm", window=w, variant=v))
+            for w in ("steady", "end_to_end")
+        ]
+        eff = "" if v == "ideal" else show(figure(src, metric="efficiency", variant=v))
+        body.append([
+            v, num(medians(src.rows, "claims_per_s", variant=v)),
+            show(figure(src, metric="seconds", window="steady", variant=v)),
+            show(figure(src, metric="seconds", window="end_to_end", variant=v)),
+            *vs, eff, num(medians(src.rows, "timed_loads", variant=v), ".0f"),
+        ])  # fmt: skip
+    head = ["variant", "claims/s", "steady s", "end-to-end s", "vs dask_pcm, steady",
+            "vs dask_pcm, end to end", "efficiency (ideal / variant)", "loads in the window"]  # fmt: skip
+    return Block(table(head, body, "lrrrrrrr"), [src])
 
 
 def _overhead_rounds(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
@@ -371,6 +566,14 @@ OVERHEAD: list[Column] = [
 
 def _scheduler_overhead(folder: Path) -> Block:
     src = load("scheduler-overhead", folder)
+    if src.meta is not None:
+        kinds = list(dict.fromkeys(r["kind"] for r in src.rows))
+        body = [[k, show(figure(src, metric="tasks_per_second", kind=k), ".0f")] for k in kinds]
+        body += [
+            [f"{num_} / {den}", show(figure(src, metric=f"{num_}_over_{den}"), strong=True)]
+            for num_, den in (("context", "plain"), ("context-restricted", "plain-restricted"))
+        ]
+        return Block(table(["kind", "tasks/s, or ratio"], body, "lr"), [src])
     rows = [
         {"round": n, **k, "ratio": k["context"] / k["plain"]}
         for n, k in sorted(_overhead_rounds(src.rows).items())
@@ -403,7 +606,8 @@ def _prefix(folder: Path) -> Block:
             {
                 **r,
                 "ratio_text": ratio if target is None else bold(ratio),  # a target's ratio
-                "range": span(r["ratio_min"], r["ratio_max"]),
+                "range": span(r["ratio_min"], r["ratio_max"])
+                + (f" ({span(r['ratio_low'], r['ratio_high'])})" if "ratio_low" in r else ""),
                 "target_text": ""
                 if target is None
                 else f"≥ {target:g} {'met' if r['target_met'] else 'missed'}",
@@ -503,6 +707,8 @@ def _fever_accuracy(folder: Path) -> Block:
 
 
 # -- generators: the summaries ----------------------------------------------------------------
+# Each figure below reads a stamped JSON's summary (median and interval over rounds) or,
+# from an unstamped one, its single run's rows.
 _LEVEL_NAMES = ("agnostic", "partial", "process-per-task")
 _PEER_NAMES = {
     "dask-global": "plain Dask + global cache",
@@ -511,44 +717,108 @@ _PEER_NAMES = {
 }
 
 
-def _levels_figure(rows: list[dict[str, Any]], limit: float | None, strong: bool) -> str:
+def level_ratio(lv: Loaded, level: str, limit: float | None) -> Figure:
+    """``level``'s steady wall over full's with the source limited to ``limit`` MB/s."""
+    if lv.meta is not None:
+        return figure(lv, metric=f"{level}_over_full", window="steady", source_mb_per_s=limit)
+    here = [r for r in lv.rows if r.get("source_mb_per_s") == limit]
+    wall = pick(here, level=level)["wall_seconds"]
+    return single(wall / pick(here, level="full")["wall_seconds"])
+
+
+def _levels_figure(lv: Loaded, limit: float | None, strong: bool) -> str:
     """``agnostic 1.25, ...``: each level's wall over full's, source limited to ``limit``."""
-    here = [r for r in rows if r.get("source_mb_per_s") == limit]
-    full = pick(here, level="full")["wall_seconds"]
-    fmt = bold if strong else str
     return ", ".join(
-        f"{lvl} {fmt(num(pick(here, level=lvl)['wall_seconds'] / full))}" for lvl in _LEVEL_NAMES
+        f"{lvl} {show(level_ratio(lv, lvl, limit), strong=strong)}" for lvl in _LEVEL_NAMES
     )
 
 
-def _batch_shares(rows: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """``{level: {batch size: claims/s over the level's best}}``."""
-    out: dict[str, dict[int, float]] = {}
-    for r in rows:
-        out.setdefault(r["level"], {})[r["batch_size"]] = r["claims_per_second"]
-    return {lvl: {b: c / max(by.values()) for b, c in by.items()} for lvl, by in out.items()}
+def _limit(lv: Loaded) -> float | None:
+    """The source limit the summaries quote: 200 MB/s (the old single setting) if measured,
+    else the lowest measured; None without one."""
+    limits = {r.get("source_mb_per_s") for r in lv.rows} - {None}
+    return 200.0 if 200.0 in limits else min(limits, default=None)
+
+
+def batch_share(bs: Loaded, level: str, size: int) -> Figure:
+    """claims/s at ``size`` over the level's best size."""
+    if bs.meta is not None:
+        return figure(bs, metric="share_of_best", level=level, batch_size=size)
+    rate = {r["batch_size"]: r["claims_per_second"] for r in bs.rows if r["level"] == level}
+    return single(rate[size] / max(rate.values()))
+
+
+def batch_sizes_of(bs: Loaded) -> list[int]:
+    return sorted({r["batch_size"] for r in bs.rows if r["level"] == "full"})
+
+
+def preemption_ratio(pre: Loaded) -> tuple[Figure, str]:
+    """Claims full / partial under preemption, and how the kills came."""
+    if pre.meta is not None:
+        how = f"random kills, one per {pre.meta['period_s']:g} s on average, {pre.meta['window_s']:g} s"
+        return figure(pre, metric="full_over_partial", kills="seeded"), how
+    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
+    how = f"kill every {full['period_s']:g} s, {full['window_s']:g} s"
+    return single(full["claims_done"] / partial["claims_done"]), how
+
+
+def held_ratio(so: Loaded, n: int) -> Figure:
+    """Time until all N hold the template: source alone over peer to peer."""
+    if so.meta is not None:
+        return figure(so, metric="source_over_p2p_held", n=n)
+    held = {r["mode"]: r["held_seconds"] for r in so.rows if r["n"] == n}
+    return single(held["source"] / held["p2p"])
+
+
+def ready_seconds(so: Loaded, n: int, mode: str) -> float:
+    if so.meta is not None:
+        return entry(so, metric="seconds", what="ready", n=n, mode=mode)["median"]
+    return pick(so.rows, n=n, mode=mode)["seconds"]
+
+
+def peer_ratio(peers: Loaded, variant: str) -> Figure:
+    """claims/s of ``variant`` over dask_pcm's (steady window)."""
+    if peers.meta is not None:
+        return figure(peers, metric="vs_dask_pcm", window="steady", variant=variant)
+    return single(pick(peers.rows, variant=variant)["ratio_vs_dask_pcm"])
 
 
 def _peer_figure(peers: Loaded, descending: bool) -> str:
     """``plain Dask + global cache 0.97, ...``: claims/s over dask_pcm's."""
-    others = sorted(
-        (r for r in peers.rows if r["variant"] in _PEER_NAMES),
-        key=lambda r: r["ratio_vs_dask_pcm"],
-        reverse=descending,
-    )
-    return ", ".join(f"{_PEER_NAMES[r['variant']]} {r['ratio_vs_dask_pcm']:.2f}" for r in others)
+    present = [v for v in _PEER_NAMES if any(r["variant"] == v for r in peers.rows)]
+    ranked = sorted(present, key=lambda v: peer_ratio(peers, v).median, reverse=descending)
+    return ", ".join(f"{_PEER_NAMES[v]} {show(peer_ratio(peers, v))}" for v in ranked)
 
 
-def _efficiency(peers: Loaded, levels: Loaded) -> tuple[dict[str, Any], float, int]:
-    """dask_pcm's row in peers; in levels (no source limit) ideal wall / full wall, claims."""
-    here = [r for r in levels.rows if r.get("source_mb_per_s") is None]
-    ideal, full = pick(here, level="ideal"), pick(here, level="full")
+def peers_efficiency(peers: Loaded) -> tuple[Figure, float, int]:
+    """dask_pcm's efficiency in peers, its claims/s and the claims scored."""
+    rows = [r for r in peers.rows if r["variant"] == "dask_pcm"]
+    if peers.meta is not None:
+        eff = figure(peers, metric="efficiency", variant="dask_pcm")
+        return eff, medians(rows, "claims_per_s"), rows[0]["claims"]
+    return single(rows[0]["efficiency"]), rows[0]["claims_per_s"], rows[0]["claims"]
+
+
+def levels_efficiency(lv: Loaded) -> tuple[Figure, int]:
+    """Ideal wall / full wall with no source limit, and the claims scored."""
+    here = [r for r in lv.rows if r.get("source_mb_per_s") is None]
+    ideal = next(r for r in here if r["level"] == "ideal")
     claims = round(ideal["claims_per_second"] * ideal["wall_seconds"])
-    return (
-        pick(peers.rows, variant="dask_pcm"),
-        ideal["wall_seconds"] / full["wall_seconds"],
-        claims,
-    )
+    if lv.meta is not None:
+        return figure(lv, metric="full_efficiency", window="steady", source_mb_per_s=None), claims
+    return single(ideal["wall_seconds"] / pick(here, level="full")["wall_seconds"]), claims
+
+
+def overhead_ratio(ov: Loaded) -> tuple[Figure, float, float]:
+    """Context over plain no-op tasks/s, and the two rates."""
+    if ov.meta is not None:
+        rate = {
+            k: entry(ov, metric="tasks_per_second", kind=k)["median"] for k in ("context", "plain")
+        }
+        return figure(ov, metric="context_over_plain"), rate["context"], rate["plain"]
+    rounds = _overhead_rounds(ov.rows).values()
+    ctx, plain = max(k["context"] for k in rounds), max(k["plain"] for k in rounds)
+    return single(ctx / plain), ctx, plain
 
 
 def _summary(folder: Path) -> Block:
@@ -558,63 +828,51 @@ def _summary(folder: Path) -> Block:
         load("peers", folder),
         load("scheduler-overhead", folder),
     )
-
-    shares = _batch_shares(bs.rows)
-    best = {lvl: max(by, key=by.__getitem__) for lvl, by in shares.items()}
-    sizes = sorted(shares["full"])
-    best_text = (
-        f"both best at {best['full']}"
-        if best["partial"] == best["full"]
-        else f"partial best at {best['partial']}, full at {best['full']}"
-    )
+    sizes = batch_sizes_of(bs)
     share_text = "; ".join(
-        f"{lvl} {span(min(shares[lvl].values()), max(shares[lvl].values()))} "
-        f"(batch {sizes[0]}: {shares[lvl][sizes[0]]:.2f})"
+        f"{lvl} " + ", ".join(f"{b}: {show(batch_share(bs, lvl, b))}" for b in sizes)
         for lvl in ("partial", "full")
     )
-    keys = ("task_min_seconds", "task_median_seconds", "task_max_seconds")
-    spread = "; ".join(
-        f"{lvl} " + " / ".join(num(pick(bs.rows, level=lvl, batch_size=8)[k]) for k in keys)
-        for lvl in ("partial", "full")
+    pre_ratio, how = preemption_ratio(pre)
+    ns = sorted({r["n"] for r in so.rows})
+    ready_text = ", ".join(
+        f"N={n} {ready_seconds(so, n, 'source'):.1f} → {ready_seconds(so, n, 'p2p'):.1f}"
+        for n in ns
     )
-    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
-    ready = {(r["n"], r["mode"]): r["seconds"] for r in so.rows}
-    ns = sorted({n for n, _ in ready})
-    ready_text = ", ".join(f"N={n} {ready[n, 'source']:.1f} → {ready[n, 'p2p']:.1f}" for n in ns)
-    mine, lv_eff, lv_claims = _efficiency(peers, lv)
-    rounds = _overhead_rounds(ov.rows).values()
-    ctx, plain = max(k["context"] for k in rounds), max(k["plain"] for k in rounds)
+    eff, rate, claims = peers_efficiency(peers)
+    lv_eff, lv_claims = levels_efficiency(lv)
+    ov_ratio, ctx, plain = overhead_ratio(ov)
+    limit = _limit(lv)
     body = [
-        ["RQ1 levels, no source limit: wall / full", _levels_figure(lv.rows, None, True)],
-        ["RQ1 levels, shared FS 200 MB/s: wall / full", _levels_figure(lv.rows, 200.0, True)],
+        ["RQ1 levels, no source limit: wall / full", _levels_figure(lv, None, True)],
+        *(
+            [
+                [
+                    f"RQ1 levels, shared FS {limit:g} MB/s: wall / full",
+                    _levels_figure(lv, limit, True),
+                ]
+            ]
+            if limit
+            else []
+        ),
         [
-            f"RQ2 batch sizes {sizes[0]}{DASH}{sizes[-1]}, claims/s as a share of the level's "
-            f"best ({best_text})",
+            f"RQ2 batch sizes {sizes[0]}{DASH}{sizes[-1]}, claims/s as a share of the level's best",
             share_text,
         ],
-        ["RQ2 task-time spread at batch 8 (min / median / max s)", spread],
+        [f"RQ3 preemption ({how}): claims full / partial", show(pre_ratio, strong=True)],
         [
-            f"RQ3 preemption (kill every {full['period_s']:g} s, {full['window_s']:g} s): "
-            "claims full / partial",
-            f"{bold(num(full['claims_done'] / partial['claims_done']))} "
-            f"({full['claims_done']} against {partial['claims_done']})",
+            "RQ4 scale-out, ready s source-only → peer to peer; held source / p2p at the largest N",
+            f"{ready_text} ({show(held_ratio(so, ns[-1]), strong=True)})",
         ],
-        [
-            "RQ4 scale-out, ready s source-only → peer to peer",
-            f"{ready_text} ({bold(num(ready[ns[-1], 'source'] / ready[ns[-1], 'p2p']))})",
-        ],
-        [
-            f"peers, claims/s against dask_pcm ({mine['claims_per_s']:.2f})",
-            _peer_figure(peers, descending=True),
-        ],
+        [f"peers, claims/s against dask_pcm ({rate:.2f})", _peer_figure(peers, descending=True)],
         [
             "efficiency, ideal wall / dask_pcm full wall",
-            f"{bold(num(mine['efficiency']))} in `peers.py` ({mine['claims']} claims), "
-            f"{bold(num(lv_eff))} in `levels.py` ({lv_claims} claims)",
+            f"{show(eff, strong=True)} in `peers.py` ({claims} claims), "
+            f"{show(lv_eff, strong=True)} in `levels.py` ({lv_claims} claims)",
         ],
         [
             "scheduler plugin, no-op tasks/s context / plain",
-            f"{bold(num(ctx / plain, '.3f'))} ({ctx:.0f} against {plain:.0f})",
+            f"{show(ov_ratio, '.3f', strong=True)} ({ctx:.0f} against {plain:.0f})",
         ],
     ]
     return Block(table(["question", "figure"], body, "ll"), [lv, bs, pre, so, peers, ov])
@@ -627,33 +885,36 @@ def _headline(folder: Path) -> Block:
         load("scale-out-simulated", folder),
         load("peers", folder),
     )
-
-    shares = _batch_shares(bs.rows)
-    first = min(shares["full"])
-    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
+    first = batch_sizes_of(bs)[0]
+    pre_ratio, how = preemption_ratio(pre)
     n = max(r["n"] for r in so.rows)
-    held = {r["mode"]: r["held_seconds"] for r in so.rows if r["n"] == n}
     sim_p2p = {r["n"]: r for r in sim.rows if r["mode"] == "p2p"}
     top = max(sim_p2p)
-    mine, lv_eff, lv_claims = _efficiency(peers, lv)
+    eff, _, claims = peers_efficiency(peers)
+    lv_eff, lv_claims = levels_efficiency(lv)
+    limit = _limit(lv)
     body = [
-        ["context levels, wall / full", _levels_figure(lv.rows, None, False)],
-        [
-            "the same behind a simulated shared filesystem of 200 MB/s",
-            _levels_figure(lv.rows, 200.0, False),
-        ],
+        ["context levels, wall / full", _levels_figure(lv, None, False)],
+        *(
+            [
+                [
+                    f"the same behind a simulated shared filesystem of {limit:g} MB/s",
+                    _levels_figure(lv, limit, False),
+                ]
+            ]
+            if limit
+            else []
+        ),
         [
             f"batch size {first}, claims/s as a share of the level's best",
-            f"partial {shares['partial'][first]:.2f}, full {shares['full'][first]:.2f}",
+            f"partial {show(batch_share(bs, 'partial', first))}, "
+            f"full {show(batch_share(bs, 'full', first))}",
         ],
-        [
-            f"a worker killed every {full['period_s']:g} s: claims full / partial",
-            num(full["claims_done"] / partial["claims_done"]),
-        ],
+        [f"preemption ({how}): claims full / partial", show(pre_ratio)],
         [
             f"{n} workers joining at once: time until all hold the template, source alone / "
             "peer to peer",
-            num(held["source"] / held["p2p"]),
+            show(held_ratio(so, n)),
         ],
         [
             "simulated with the real protocol, a "
@@ -662,13 +923,12 @@ def _headline(folder: Path) -> Block:
             num(sim_p2p[top]["seconds"] / sim_p2p[8]["seconds"]),
         ],
         [
-            f"the same {mine['claims']} claims, claims/s against dask_pcm",
+            f"the same {claims} claims, claims/s against dask_pcm",
             _peer_figure(peers, descending=False),
         ],
         [
             "ideal wall / dask_pcm wall (the ideal: bare processes that load the model once)",
-            f"{num(mine['efficiency'])} (peers, {mine['claims']} claims), "
-            f"{num(lv_eff)} (levels, {lv_claims} claims)",
+            f"{show(eff)} (peers, {claims} claims), {show(lv_eff)} (levels, {lv_claims} claims)",
         ],
     ]
     return Block(table(["benchmark", "figure"], body, "ll"), [lv, bs, pre, so, sim, peers])

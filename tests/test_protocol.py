@@ -35,7 +35,7 @@ def test_the_interval_is_a_t_interval_on_a_log_scale():
     logs = [math.log(v) for v in values]
     mean = sum(logs) / 3
     sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 2)
-    assert got["n"] == 3 and got["median"] == 11.0
+    assert got["runs"] == 3 and got["median"] == 11.0
     assert got["low"] == pytest.approx(math.exp(mean - 4.303 * sd / math.sqrt(3)))
     assert got["high"] == pytest.approx(math.exp(mean + 4.303 * sd / math.sqrt(3)))
     one = P.interval([2.5])

@@ -184,17 +184,38 @@ def test_a_real_generator_reads_both_formats(tmp_path: Path) -> None:
     ]  # fmt: skip
     _write(tmp_path / "runs" / "2026-11-30" / "preemption.json", rows)
     old = report.GENERATORS["preemption"](tmp_path)
-    _write(tmp_path / "preemption-2026-12-03.json", {"meta": META, "rows": rows, "summary": []})
-    new = report.GENERATORS["preemption"](tmp_path)
+    assert "| full | 5 | 53 | 424 | 3.53 | 0 | 5 | 41.60 |" in old.table
+    assert [s.meta for s in old.sources] == [None]
 
-    assert old.table == new.table
-    assert "| full | 5 | 53 | 424 | 3.53 | 0 | 5 | 41.60 |" in new.table
-    assert [s.meta for s in old.sources] == [None] and new.sources[0].meta == META
+    # The stamped format: rows per round and kill setting, summarised as preemption.py does.
+    import preemption
+
+    claims = {("full", "seeded"): [400, 420, 410], ("full", "none"): [500, 520, 505],
+              ("partial", "seeded"): [300, 330, 310], ("partial", "none"): [400, 410, 395]}  # fmt: skip
+    stamped = [
+        {"round": r, "level": level, "preemption": kills, "claims_done": c[r], "errors": 0,
+         "loads": 2, "preemptions": 4 if kills == "seeded" else 0}
+        for (level, kills), c in claims.items() for r in range(3)
+    ]  # fmt: skip
+    summary = preemption.summarise(stamped)
+    _write(
+        tmp_path / "preemption-2026-12-03.json", {"meta": META, "rows": stamped, "summary": summary}
+    )
+    new = report.GENERATORS["preemption"](tmp_path)
+    assert new.sources[0].meta == META
+    assert "| full | random, seeded | 4 | 410 (400\u2013420) | 2 | 0 |" in new.table
+    ratio = next(
+        s for s in summary if s["metric"] == "full_over_partial" and s["kills"] == "seeded"
+    )
+    shown = f"**{ratio['median']:.2f}** ({ratio['low']:.2f}\u2013{ratio['high']:.2f})"
+    assert f"| claims full / partial, with kills | {shown} |" in new.table
 
 
 def test_a_json_without_the_generators_fields_is_an_error_naming_the_block(tmp_path: Path) -> None:
     _write(tmp_path / "preemption-2026-12-03.json", {"meta": META, "rows": [{"level": "full"}]})
     md = tmp_path / "README.md"
     md.write_text("intro\n<!-- report:preemption -->\n<!-- /report:preemption -->\n")
-    with pytest.raises(report.ReportError, match=r"README.md:2: report:preemption: KeyError"):
+    with pytest.raises(
+        report.ReportError, match=r"README.md:2: report:preemption: (KeyError|ReportError)"
+    ):
         report.regenerate(tmp_path, [md])
