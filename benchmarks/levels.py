@@ -19,11 +19,12 @@ pass each) with a causal LM (default: the embedded SmolLM2-135M-Instruct). The v
   here, the loader modules alone 0.3 s.
 
 The source, ``--source-bandwidth`` (MB/s for the whole host, comma-separated settings, ``none``
-= no limit; default ``none,1000,400,200,100,50``, ``--quick`` only ``none``): the sweep draws
+= no limit; default ``none,1000,200,50``, ``--quick`` only ``none``): the sweep draws
 agnostic / full and partial / full against the source's bandwidth (``<json>-regime.png``, the
 paper's 3.59 and 1.83 marked), to show where on that curve the paper's cluster sat rather than
-one point that depends on one assumed bandwidth. Process-per-task runs at
-``--per-task-bandwidth`` (default ``none,200``). With a limit, reads of the template
+one point that depends on one assumed bandwidth. Four settings a factor of 4 to 5 apart
+keep a full run (3 rounds of 15 runs) under an hour on 2 cores; add settings for a finer
+curve. Process-per-task runs at ``--per-task-bandwidth`` (default ``none,200``). With a limit, reads of the template
 from its source share one simulated link (:class:`dask_pcm.testing.throttle.SharedBandwidth`, set
 through ``pcm.template.source-bandwidth``), as the jobs of a cluster share a filesystem server.
 Why 200 MB/s was the old single setting: an assumption, not a measurement, for one node's share of a busy shared
@@ -495,7 +496,7 @@ def main() -> None:
         "--source-bandwidth",
         metavar="MB[,MB...]",
         help="MB/s of the simulated shared filesystem for the whole host, one run per setting; "
-        "'none': no limit (default 'none,1000,400,200,100,50', --quick 'none')",
+        "'none': no limit (default 'none,1000,200,50', --quick 'none')",
     )
     p.add_argument(
         "--per-task-bandwidth",
@@ -507,7 +508,7 @@ def main() -> None:
     reps = P.repetitions(args.quick, args.repetitions)
     n = args.claims or (16 if args.quick else 96)
     settings = _settings(
-        args.source_bandwidth or ("none" if args.quick else "none,1000,400,200,100,50")
+        args.source_bandwidth or ("none" if args.quick else "none,1000,200,50")
     )
     per_task_text = args.per_task_bandwidth or ("none" if args.quick else "none,200")
     per_task = [] if per_task_text == "off" else _settings(per_task_text)
