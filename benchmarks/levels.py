@@ -507,9 +507,7 @@ def main() -> None:
     args = p.parse_args()
     reps = P.repetitions(args.quick, args.repetitions)
     n = args.claims or (16 if args.quick else 96)
-    settings = _settings(
-        args.source_bandwidth or ("none" if args.quick else "none,1000,200,50")
-    )
+    settings = _settings(args.source_bandwidth or ("none" if args.quick else "none,1000,200,50"))
     per_task_text = args.per_task_bandwidth or ("none" if args.quick else "none,200")
     per_task = [] if per_task_text == "off" else _settings(per_task_text)
 
