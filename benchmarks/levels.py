@@ -393,6 +393,8 @@ def summarise(rows: list[dict], settings: list[float | None]) -> list[dict]:
         for window, key in WINDOWS.items():
             per = P.by_variant(of, "level", key)
             for level, values in per.items():
+                if level == "ideal" and mb_per_s is not None:
+                    continue  # the ideal reads no source: its seconds once, under "no limit"
                 out.append(
                     {"metric": "seconds", "level": level, "window": window,
                      "source_mb_per_s": mb_per_s, **P.interval(values)}
