@@ -17,13 +17,16 @@ pair, or a block name with no generator, is an error naming the file and line (e
 
 Sources: for each benchmark, the newest dated JSON in ``benchmarks/``, either
 ``<name>-YYYY-MM-DD.json`` or ``runs/YYYY-MM-DD/<name>.json`` (a script's name, ``_`` read
-as ``-``); on the same date the file directly in ``benchmarks/`` wins. :func:`load` reads
-both formats: the old one, a list of flat rows in which rows with a ``metric`` key are
-summary rows, and the stamped one, ``{"meta": ..., "rows": [...], "summary": ...}``.
+as ``-``); on the same date the file directly in ``benchmarks/`` wins. Every benchmark script
+writes the stamped format, ``{"meta": ..., "rows": [...], "summary": ...}``, and every
+benchmark's table is built with :func:`load_stamped`, which refuses anything else. :func:`load`
+also reads the older format (a list of flat rows; rows with a ``metric`` key are summary rows)
+so that the files kept as history, and the application's own JSON (``dask-pcm fever --json``),
+stay readable.
 
 Adding a block:
 
-1. Write ``def _name(folder: Path) -> Block``: call ``load("benchmark", folder)`` for each
+1. Write ``def _name(folder: Path) -> Block``: call ``load_stamped("benchmark", folder)`` for each
    JSON it needs, build the table with :func:`columns_table` (rows and a list of
    :data:`Column`) or :func:`table` (cells you format with :func:`num`, :func:`bold`,
    :func:`span`), and return ``Block(table_text, [loaded, ...])``; the source line under the
@@ -115,6 +118,18 @@ def load(name: str, folder: Path = BENCHMARKS) -> Loaded:
     raise ReportError(f"{path}: neither a list of rows nor {{meta, rows, summary}}")
 
 
+def load_stamped(name: str, folder: Path = BENCHMARKS) -> Loaded:
+    """:func:`load`, refusing a JSON without ``meta``: every benchmark script writes the
+    stamped format, and a table is built only from a run that says what it ran on."""
+    src = load(name, folder)
+    if src.meta is None:
+        raise ReportError(
+            f"{src.path}: not stamped (a list of rows, no meta); run the benchmark again and "
+            f"commit its JSON as {name}-YYYY-MM-DD.json"
+        )
+    return src
+
+
 def _date_of(path: Path) -> str:
     m = _DATED.match(path.name)
     return m["date"] if m else path.parent.name
@@ -151,7 +166,7 @@ def source_line(sources: Sequence[Loaded], root: Path) -> str:
     parts = stamped
     if unstamped:
         groups = "; ".join(f"{', '.join(paths)} ({date})" for date, paths in unstamped.items())
-        parts.append(f"{groups}, not stamped: run before the JSON carried its commit")
+        parts.append(f"{groups}, not stamped (the JSON records no commit)")
     return f"From {'; '.join(parts)}."
 
 
@@ -218,16 +233,12 @@ def pick(rows: Iterable[dict[str, Any]], **where: Any) -> dict[str, Any]:
 
 class Figure(NamedTuple):
     """A summarised figure: median and 95 % interval over ``n`` repetitions (``_protocol``);
-    a figure from an unstamped JSON is one run: low and high are the value, ``n`` is 1."""
+    with one repetition, low and high are the value."""
 
     median: float
     low: float
     high: float
     n: int
-
-
-def single(value: float) -> Figure:
-    return Figure(value, value, value, 1)
 
 
 def entry(src: Loaded, **where: Any) -> dict[str, Any]:
@@ -258,28 +269,12 @@ def medians(rows: Iterable[dict[str, Any]], key: str, **where: Any) -> float:
 
 
 # -- generators: one table of one benchmark ---------------------------------------------------
-LEVELS: list[Column] = [
-    ("level", "level", ""),
-    ("source", "source", ""),
-    ("tasks", "tasks", "d"),
-    ("loads", "loads", "d"),
-    ("load_seconds", "load_s", ".2f"),
-    ("register_seconds", "register_s", ".2f"),
-    ("wall_seconds", "wall_s", ".2f"),
-    ("claims_per_second", "claims/s", ".2f"),
-    ("mb_from_source", "src_MB", ".0f"),
-    ("cpu_share", "cpu", ".2f"),
-]
-
-
 def _source_text(mb_per_s: float | None) -> str:
     return f"{mb_per_s:g} MB/s" if mb_per_s else "no limit"
 
 
 def _levels(folder: Path) -> Block:
-    src = load("levels", folder)
-    if src.meta is None:
-        return Block(columns_table(src.rows, LEVELS), [src])
+    src = load_stamped("levels", folder)
     settings = sorted({r["source_mb_per_s"] for r in src.rows if r["level"] != "ideal"},
                       key=lambda b: -(b or float("inf")))  # fmt: skip
     body = []
@@ -327,25 +322,8 @@ def _levels(folder: Path) -> Block:
     return Block(f"{first}\n\n{second}", [src])
 
 
-BATCH_SIZES: list[Column] = [
-    ("level", "level", ""),
-    ("batch_size", "batch", "d"),
-    ("tasks", "tasks", "d"),
-    ("loads", "loads", "d"),
-    ("wall_seconds", "wall_s", ".2f"),
-    ("claims_per_second", "claims/s", ".2f"),
-    ("task_min_seconds", "task min s", ".2f"),
-    ("task_median_seconds", "median", ".2f"),
-    ("task_p90_seconds", "p90", ".2f"),
-    ("task_max_seconds", "max", ".2f"),
-    ("cpu_share", "cpu", ".2f"),
-]
-
-
 def _batch_sizes(folder: Path) -> Block:
-    src = load("batch-sizes", folder)
-    if src.meta is None:
-        return Block(columns_table(src.rows, BATCH_SIZES), [src])
+    src = load_stamped("batch-sizes", folder)
     body = []
     for level in ("partial", "full", "ideal"):
         for size in sorted({r["batch_size"] for r in src.rows if r["level"] == level}):
@@ -365,22 +343,8 @@ def _batch_sizes(folder: Path) -> Block:
     return Block(table(head, body, "lrrrrrrr"), [src])
 
 
-PREEMPTION: list[Column] = [
-    ("level", "level", ""),
-    ("preemptions", "preemptions", "d"),
-    ("tasks_done", "tasks", "d"),
-    ("claims_done", "claims", "d"),
-    ("claims_per_s", "claims/s", ".2f"),
-    ("errors", "errors", "d"),
-    ("loads", "loads", "d"),
-    ("load_seconds", "load_s", ".2f"),
-]
-
-
 def _preemption(folder: Path) -> Block:
-    src = load("preemption", folder)
-    if src.meta is None:
-        return Block(columns_table(src.rows, PREEMPTION), [src])
+    src = load_stamped("preemption", folder)
     body = []
     for level in ("full", "partial"):
         for kills in ("seeded", "none"):
@@ -427,7 +391,7 @@ SCALE_OUT_SIMULATED: list[Column] = [
 
 
 def _scale_out_simulated(folder: Path) -> Block:
-    src = load("scale-out-simulated", folder)
+    src = load_stamped("scale-out-simulated", folder)
     p2p = {r["n"]: r for r in src.rows if r["mode"] == "p2p"}
     top = max(p2p)
     (a, b), (c, d) = src.rows[0]["fit_p2p"], src.rows[0]["fit_source"]
@@ -446,24 +410,8 @@ def _scale_out_simulated(folder: Path) -> Block:
     return Block(f"{columns_table(src.rows, SCALE_OUT_SIMULATED)}\n\n{facts}", [src])
 
 
-SCALE_OUT: list[Column] = [
-    ("n", "N", "d"),
-    ("mode", "mode", ""),
-    ("startup_seconds", "startup s", ".1f"),
-    ("held_seconds", "held s", ".2f"),
-    ("held_cpu_floor_seconds", "CPU s / cores while held", ".2f"),
-    ("seconds", "ready s", ".2f"),
-    ("mean_fetch_seconds", "mean fetch s", ".2f"),
-    ("mean_load_seconds", "mean load s", ".2f"),
-    ("mb_from_source", "MB from source", ".0f"),
-    ("mb_from_peers", "MB from peers", ".0f"),
-]
-
-
 def _scale_out(folder: Path) -> Block:
-    src = load("scale-out", folder)
-    if src.meta is None:
-        return Block(columns_table(src.rows, SCALE_OUT), [src])
+    src = load_stamped("scale-out", folder)
     body = []
     sizes = sorted({r["n"] for r in src.rows})
     for n in sizes:
@@ -504,13 +452,9 @@ TRANSFER: list[Column] = [
 
 
 def _scale_out_transfer(folder: Path) -> Block:
-    src = load("scale-out", folder)
-    # Every row carries the same single-copy measurement; chunks held is the peak extra
-    # memory (MB) in chunks of that size (MiB).
-    if src.meta is None:
-        transfers, loop = src.rows[0]["transfer_alone"], src.rows[0]
-    else:
-        transfers, loop = src.summary["transfer_alone"], src.summary["loopback"]
+    src = load_stamped("scale-out", folder)
+    # Chunks held is the peak extra memory (MB) in chunks of that size (MiB).
+    transfers, loop = src.summary["transfer_alone"], src.summary["loopback"]
     rows = [
         {
             **t,
@@ -528,25 +472,8 @@ def _scale_out_transfer(folder: Path) -> Block:
     return Block(f"{columns_table(rows, TRANSFER)}\n\n{loop_text}", [src])
 
 
-PEERS: list[Column] = [
-    ("variant", "variant", ""),
-    ("tasks", "tasks", "d"),
-    ("loads", "loads", "d"),
-    ("timed_loads", "timed", "d"),
-    ("load_seconds", "load_s", ".2f"),
-    ("setup_seconds", "setup_s", ".2f"),
-    ("seconds", "seconds", ".2f"),
-    ("claims_per_s", "claims/s", ".2f"),
-    ("ratio_vs_dask_pcm", "vs dask_pcm", ".2f"),
-    ("efficiency", "efficiency", ".2f"),
-    ("cpu_share", "cpu", ".2f"),
-]
-
-
 def _peers(folder: Path) -> Block:
-    src = load("peers", folder)
-    if src.meta is None:
-        return Block(columns_table(src.rows, PEERS), [src])
+    src = load_stamped("peers", folder)
     body = []
     variants = list(dict.fromkeys(r["variant"] for r in src.rows))
     for v in variants:
@@ -554,7 +481,13 @@ def _peers(folder: Path) -> Block:
             "1" if v == "dask_pcm" else show(figure(src, metric="vs_dask_pcm", window=w, variant=v))
             for w in ("steady", "end_to_end")
         ]
-        eff = "" if v == "ideal" else show(figure(src, metric="efficiency", variant=v))
+        # The ideal runs every prompt in full: it bounds the prefix variant's time from
+        # below no more than a slower algorithm bounds a faster one.
+        eff = (
+            ""
+            if v == "ideal" or v == "dask_pcm-prefix"
+            else show(figure(src, metric="efficiency", variant=v))
+        )
         body.append([
             v, num(medians(src.rows, "claims_per_s", variant=v)),
             show(figure(src, metric="seconds", window="steady", variant=v)),
@@ -566,39 +499,15 @@ def _peers(folder: Path) -> Block:
     return Block(table(head, body, "lrrrrrrr"), [src])
 
 
-def _overhead_rounds(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
-    """``{round: {kind: tasks/s}}`` (the JSON's ``ratio`` row has no round)."""
-    out: dict[int, dict[str, float]] = {}
-    for r in rows:
-        if "round" in r:
-            out.setdefault(r["round"], {})[r["kind"]] = r["tasks_per_second"]
-    return out
-
-
-OVERHEAD: list[Column] = [
-    ("round", "round", "d"),
-    ("plain", "plain tasks/s", ".0f"),
-    ("context", "context tasks/s", ".0f"),
-    ("ratio", "context / plain", ".2f"),
-    ("plain-unqueued", "plain-unqueued tasks/s", ".0f"),
-]
-
-
 def _scheduler_overhead(folder: Path) -> Block:
-    src = load("scheduler-overhead", folder)
-    if src.meta is not None:
-        kinds = list(dict.fromkeys(r["kind"] for r in src.rows))
-        body = [[k, show(figure(src, metric="tasks_per_second", kind=k), ".0f")] for k in kinds]
-        body += [
-            [f"{num_} / {den}", show(figure(src, metric=f"{num_}_over_{den}"), strong=True)]
-            for num_, den in (("context", "plain"), ("context-restricted", "plain-restricted"))
-        ]
-        return Block(table(["kind", "tasks/s, or ratio"], body, "lr"), [src])
-    rows = [
-        {"round": n, **k, "ratio": k["context"] / k["plain"]}
-        for n, k in sorted(_overhead_rounds(src.rows).items())
+    src = load_stamped("scheduler-overhead", folder)
+    kinds = list(dict.fromkeys(r["kind"] for r in src.rows))
+    body = [[k, show(figure(src, metric="tasks_per_second", kind=k), ".0f")] for k in kinds]
+    body += [
+        [f"{num_} / {den}", show(figure(src, metric=f"{num_}_over_{den}"), strong=True)]
+        for num_, den in (("context", "plain"), ("context-restricted", "plain-restricted"))
     ]
-    return Block(columns_table(rows, OVERHEAD), [src])
+    return Block(table(["kind", "tasks/s, or ratio"], body, "lr"), [src])
 
 
 PREFIX: list[Column] = [
@@ -610,7 +519,7 @@ PREFIX: list[Column] = [
     ("claims_per_second_without", "w/o claims/s", ".2f"),
     ("claims_per_second_with", "with claims/s", ".2f"),
     ("ratio_text", "ratio", "r"),
-    ("range", "range", "r"),
+    ("range", f"min{DASH}max (95 % interval)", "r"),
     ("task_ratio", "task ratio", ".2f"),
     ("target_text", "target", ""),
     ("prefix_ms", "prefix ms", ".0f"),
@@ -618,7 +527,7 @@ PREFIX: list[Column] = [
 
 
 def _prefix(folder: Path) -> Block:
-    src = load("prefix", folder)
+    src = load_stamped("prefix", folder)
     rows = []
     for r in src.rows:
         target, ratio = r.get("target"), num(r["ratio"])
@@ -626,8 +535,8 @@ def _prefix(folder: Path) -> Block:
             {
                 **r,
                 "ratio_text": ratio if target is None else bold(ratio),  # a target's ratio
-                "range": span(r["ratio_min"], r["ratio_max"])
-                + (f" ({span(r['ratio_low'], r['ratio_high'])})" if "ratio_low" in r else ""),
+                "range": f"{span(r['ratio_min'], r['ratio_max'])} "
+                f"({span(r['ratio_low'], r['ratio_high'])})",
                 "target_text": ""
                 if target is None
                 else f"≥ {target:g} {'met' if r['target_met'] else 'missed'}",
@@ -641,7 +550,7 @@ _PAPER_GOALS = {"ratio": 0.7, "files": 1000, "rss_mb": 2048, "recompute_pct": 1.
 
 
 def _paper_scale(folder: Path) -> Block:
-    src = load("paper-scale", folder)
+    src = load_stamped("paper-scale", folder)
     r, g = src.rows[0], _PAPER_GOALS
 
     def goal(text: str, met: bool) -> list[str]:
@@ -723,12 +632,25 @@ FEVER_ACCURACY: list[Column] = [
 def _fever_accuracy(folder: Path) -> Block:
     src = load("fever-accuracy", folder)
     # `dask-pcm fever --json` writes its table as "summary" (and the run as "report").
-    return Block(columns_table(src.rows or src.summary, FEVER_ACCURACY), [src])
+    text = columns_table(src.rows or src.summary, FEVER_ACCURACY)
+    run = json.loads(src.path.read_text()).get("report") or {}
+    workers = run.get("workers") or []
+    if run and workers:
+
+        def each(key: str, spec: str = "") -> str:
+            return " and ".join(format(w[key], spec) for w in workers)
+
+        text += (
+            f"\n\n{run['units']['total']:,} work units ({run['claims']:,} claims) in "
+            f"{run['wall_seconds']:,.0f} s on {len(workers)} workers: model loads per worker "
+            f"{each('loads')} ({each('load_seconds', '.1f')} s), units per worker "
+            f"{each('tasks')}."
+        )
+    return Block(text, [src])
 
 
 # -- generators: the summaries ----------------------------------------------------------------
-# Each figure below reads a stamped JSON's summary (median and interval over rounds) or,
-# from an unstamped one, its single run's rows.
+# Each figure below is a stamped JSON's summary entry: median and interval over its rounds.
 _LEVEL_NAMES = ("agnostic", "partial", "process-per-task")
 _PEER_NAMES = {
     "dask-global": "plain Dask + global cache",
@@ -739,33 +661,26 @@ _PEER_NAMES = {
 
 def level_ratio(lv: Loaded, level: str, limit: float | None) -> Figure:
     """``level``'s steady wall over full's with the source limited to ``limit`` MB/s."""
-    if lv.meta is not None:
-        return figure(lv, metric=f"{level}_over_full", window="steady", source_mb_per_s=limit)
-    here = [r for r in lv.rows if r.get("source_mb_per_s") == limit]
-    wall = pick(here, level=level)["wall_seconds"]
-    return single(wall / pick(here, level="full")["wall_seconds"])
+    return figure(lv, metric=f"{level}_over_full", window="steady", source_mb_per_s=limit)
 
 
 def _levels_figure(lv: Loaded, limit: float | None, strong: bool) -> str:
-    """``agnostic 1.25, ...``: each level's wall over full's, source limited to ``limit``."""
+    """``agnostic 1.25 (1.10-1.41), ...``: each level's wall over full's, source at ``limit``."""
     return ", ".join(
         f"{lvl} {show(level_ratio(lv, lvl, limit), strong=strong)}" for lvl in _LEVEL_NAMES
     )
 
 
 def _limit(lv: Loaded) -> float | None:
-    """The source limit the summaries quote: 200 MB/s (the old single setting) if measured,
-    else the lowest measured; None without one."""
+    """The source limit the summaries quote: 200 MB/s (the design's assumed share of a shared
+    filesystem per node) if measured, else the lowest measured; None without one."""
     limits = {r.get("source_mb_per_s") for r in lv.rows} - {None}
     return 200.0 if 200.0 in limits else min(limits, default=None)
 
 
 def batch_share(bs: Loaded, level: str, size: int) -> Figure:
     """claims/s at ``size`` over the level's best size."""
-    if bs.meta is not None:
-        return figure(bs, metric="share_of_best", level=level, batch_size=size)
-    rate = {r["batch_size"]: r["claims_per_second"] for r in bs.rows if r["level"] == level}
-    return single(rate[size] / max(rate.values()))
+    return figure(bs, metric="share_of_best", level=level, batch_size=size)
 
 
 def batch_sizes_of(bs: Loaded) -> list[int]:
@@ -774,37 +689,26 @@ def batch_sizes_of(bs: Loaded) -> list[int]:
 
 def preemption_ratio(pre: Loaded) -> tuple[Figure, str]:
     """Claims full / partial under preemption, and how the kills came."""
-    if pre.meta is not None:
-        how = f"random kills, one per {pre.meta['period_s']:g} s on average, {pre.meta['window_s']:g} s"
-        return figure(pre, metric="full_over_partial", kills="seeded"), how
-    full, partial = pick(pre.rows, level="full"), pick(pre.rows, level="partial")
-    how = f"kill every {full['period_s']:g} s, {full['window_s']:g} s"
-    return single(full["claims_done"] / partial["claims_done"]), how
+    how = f"random kills, one per {pre.meta['period_s']:g} s on average, {pre.meta['window_s']:g} s"
+    return figure(pre, metric="full_over_partial", kills="seeded"), how
 
 
 def held_ratio(so: Loaded, n: int) -> Figure:
     """Time until all N hold the template: source alone over peer to peer."""
-    if so.meta is not None:
-        return figure(so, metric="source_over_p2p_held", n=n)
-    held = {r["mode"]: r["held_seconds"] for r in so.rows if r["n"] == n}
-    return single(held["source"] / held["p2p"])
+    return figure(so, metric="source_over_p2p_held", n=n)
 
 
 def ready_seconds(so: Loaded, n: int, mode: str) -> float:
-    if so.meta is not None:
-        return entry(so, metric="seconds", what="ready", n=n, mode=mode)["median"]
-    return pick(so.rows, n=n, mode=mode)["seconds"]
+    return float(entry(so, metric="seconds", what="ready", n=n, mode=mode)["median"])
 
 
 def peer_ratio(peers: Loaded, variant: str) -> Figure:
     """claims/s of ``variant`` over dask_pcm's (steady window)."""
-    if peers.meta is not None:
-        return figure(peers, metric="vs_dask_pcm", window="steady", variant=variant)
-    return single(pick(peers.rows, variant=variant)["ratio_vs_dask_pcm"])
+    return figure(peers, metric="vs_dask_pcm", window="steady", variant=variant)
 
 
 def _peer_figure(peers: Loaded, descending: bool) -> str:
-    """``plain Dask + global cache 0.97, ...``: claims/s over dask_pcm's."""
+    """``plain Dask + global cache 0.97 (0.90-1.05), ...``: claims/s over dask_pcm's."""
     present = [v for v in _PEER_NAMES if any(r["variant"] == v for r in peers.rows)]
     ranked = sorted(present, key=lambda v: peer_ratio(peers, v).median, reverse=descending)
     return ", ".join(f"{_PEER_NAMES[v]} {show(peer_ratio(peers, v))}" for v in ranked)
@@ -813,41 +717,35 @@ def _peer_figure(peers: Loaded, descending: bool) -> str:
 def peers_efficiency(peers: Loaded) -> tuple[Figure, float, int]:
     """dask_pcm's efficiency in peers, its claims/s and the claims scored."""
     rows = [r for r in peers.rows if r["variant"] == "dask_pcm"]
-    if peers.meta is not None:
-        eff = figure(peers, metric="efficiency", variant="dask_pcm")
-        return eff, medians(rows, "claims_per_s"), rows[0]["claims"]
-    return single(rows[0]["efficiency"]), rows[0]["claims_per_s"], rows[0]["claims"]
+    eff = figure(peers, metric="efficiency", variant="dask_pcm")
+    return eff, medians(rows, "claims_per_s"), rows[0]["claims"]
 
 
 def levels_efficiency(lv: Loaded) -> tuple[Figure, int]:
     """Ideal wall / full wall with no source limit, and the claims scored."""
-    here = [r for r in lv.rows if r.get("source_mb_per_s") is None]
-    ideal = next(r for r in here if r["level"] == "ideal")
+    ideal = next(r for r in lv.rows if r.get("source_mb_per_s") is None and r["level"] == "ideal")
     claims = round(ideal["claims_per_second"] * ideal["wall_seconds"])
-    if lv.meta is not None:
-        return figure(lv, metric="full_efficiency", window="steady", source_mb_per_s=None), claims
-    return single(ideal["wall_seconds"] / pick(here, level="full")["wall_seconds"]), claims
+    return figure(lv, metric="full_efficiency", window="steady", source_mb_per_s=None), claims
+
+
+def prefix_ratio(px: Loaded, template: str) -> Figure:
+    """claims/s with the template's prefix kept over without, for one built-in template."""
+    r = pick(px.rows, template=template)
+    return Figure(r["ratio"], r["ratio_low"], r["ratio_high"], r["repeats"])
 
 
 def overhead_ratio(ov: Loaded) -> tuple[Figure, float, float]:
     """Context over plain no-op tasks/s, and the two rates."""
-    if ov.meta is not None:
-        rate = {
-            k: entry(ov, metric="tasks_per_second", kind=k)["median"] for k in ("context", "plain")
-        }
-        return figure(ov, metric="context_over_plain"), rate["context"], rate["plain"]
-    rounds = _overhead_rounds(ov.rows).values()
-    ctx, plain = max(k["context"] for k in rounds), max(k["plain"] for k in rounds)
-    return single(ctx / plain), ctx, plain
+    rate = {k: entry(ov, metric="tasks_per_second", kind=k)["median"] for k in ("context", "plain")}
+    return figure(ov, metric="context_over_plain"), rate["context"], rate["plain"]
 
 
 def _summary(folder: Path) -> Block:
-    lv, bs, pre = load("levels", folder), load("batch-sizes", folder), load("preemption", folder)
-    so, peers, ov = (
-        load("scale-out", folder),
-        load("peers", folder),
-        load("scheduler-overhead", folder),
-    )
+    lv, bs, pre, so, peers, ov, px = (
+        load_stamped(name, folder)
+        for name in ("levels", "batch-sizes", "preemption", "scale-out", "peers",
+                     "scheduler-overhead", "prefix")
+    )  # fmt: skip
     sizes = batch_sizes_of(bs)
     share_text = "; ".join(
         f"{lvl} " + ", ".join(f"{b}: {show(batch_share(bs, lvl, b))}" for b in sizes)
@@ -891,20 +789,27 @@ def _summary(folder: Path) -> Block:
             f"{show(lv_eff, strong=True)} in `levels.py` ({lv_claims} claims)",
         ],
         [
+            "prompt prefix kept on the workers, claims/s with / without",
+            ", ".join(
+                f"{t} {show(prefix_ratio(px, t), strong=True)}"
+                for t in ("few-shot", "chat-few-shot", "direct")
+                if any(r["template"] == t for r in px.rows)
+            ),
+        ],
+        [
             "scheduler plugin, no-op tasks/s context / plain",
             f"{show(ov_ratio, '.3f', strong=True)} ({ctx:.0f} against {plain:.0f})",
         ],
     ]
-    return Block(table(["question", "figure"], body, "ll"), [lv, bs, pre, so, peers, ov])
+    return Block(table(["question", "figure"], body, "ll"), [lv, bs, pre, so, peers, ov, px])
 
 
 def _headline(folder: Path) -> Block:
-    lv, bs, pre = load("levels", folder), load("batch-sizes", folder), load("preemption", folder)
-    so, sim, peers = (
-        load("scale-out", folder),
-        load("scale-out-simulated", folder),
-        load("peers", folder),
-    )
+    lv, bs, pre, so, sim, peers, px = (
+        load_stamped(name, folder)
+        for name in ("levels", "batch-sizes", "preemption", "scale-out", "scale-out-simulated",
+                     "peers", "prefix")
+    )  # fmt: skip
     first = batch_sizes_of(bs)[0]
     pre_ratio, how = preemption_ratio(pre)
     n = max(r["n"] for r in so.rows)
@@ -950,8 +855,61 @@ def _headline(folder: Path) -> Block:
             "ideal wall / dask_pcm wall (the ideal: bare processes that load the model once)",
             f"{show(eff)} (peers, {claims} claims), {show(lv_eff)} (levels, {lv_claims} claims)",
         ],
+        [
+            "prompt prefix kept on the workers, `few-shot` template: claims/s with / without",
+            show(prefix_ratio(px, "few-shot")),
+        ],
     ]
-    return Block(table(["benchmark", "figure"], body, "ll"), [lv, bs, pre, so, sim, peers])
+    return Block(table(["benchmark", "figure"], body, "ll"), [lv, bs, pre, so, sim, peers, px])
+
+
+# Every benchmark, in the order of benchmarks/README.md, and the script that writes its JSON.
+RUNS = {
+    "levels": "levels.py",
+    "batch-sizes": "batch_sizes.py",
+    "preemption": "preemption.py",
+    "scale-out": "scale_out.py",
+    "scale-out-simulated": "scale_out.py --simulate",
+    "peers": "peers.py",
+    "scheduler-overhead": "scheduler_overhead.py",
+    "prefix": "prefix.py",
+    "paper-scale": "paper_scale.py",
+}
+
+
+def _runs(folder: Path) -> Block:
+    """Which run stands behind each benchmark's tables: commit, date, length, load."""
+    sources = [load(name, folder) for name in RUNS]
+    body, stacks = [], {}
+    for script, src in zip(RUNS.values(), sources, strict=True):
+        m = src.meta
+        if m is None:
+            body.append([f"`{script}`", "not stamped", "", "", "", "", ""])
+            continue
+        commit = str(m.get("commit") or "unknown")[:7] + (" (changed)" if m.get("dirty") else "")
+        load_1min = (m.get("load_average_before") or [float("nan")])[0]
+        body.append([
+            f"`{script}`", commit, str(m.get("date", ""))[:16].replace("T", " "),
+            num(m.get("seconds", float("nan")) / 60, ".0f"), str(m.get("repetitions", "")),
+            num(load_1min), f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores",
+        ])  # fmt: skip
+        stack = ", ".join(f"{k} {v}" for k, v in sorted((m.get("versions") or {}).items()))
+        stacks.setdefault(stack, []).append(f"`{script.split()[0]}`")
+    head = ["script", "commit", "started (UTC)", "minutes", "repetitions",
+            "load average before", "CPU"]  # fmt: skip
+    text = table(head, body, "lllrrrl")
+    if len(stacks) == 1:
+        text += f"\n\nStack of every run: {next(iter(stacks))}."
+    else:
+        text += (
+            "\n\nStacks: "
+            + "; ".join(
+                f"{stack} ({', '.join(dict.fromkeys(scripts))})"
+                for stack, scripts in stacks.items()
+            )
+            + "."
+        )
+    return Block(text, sources)
 
 
 Generator = Callable[[Path], Block]
@@ -970,6 +928,7 @@ GENERATORS: dict[str, Generator] = {
     "prefix": _prefix,
     "paper-scale": _paper_scale,
     "fever-accuracy": _fever_accuracy,
+    "runs": _runs,
 }
 
 

@@ -80,3 +80,23 @@ def test_repetitions_default_to_three_and_one_when_quick():
     assert P.repetitions(True, 2) == 2
     with pytest.raises(ValueError, match="1 or more"):
         P.repetitions(False, 0)
+
+
+def test_peers_flags_only_a_variant_that_beats_the_ideal_on_the_same_work():
+    import peers
+
+    seconds = {"ideal": [10.0, 11.0, 10.5], "dask_pcm": [8.0, 8.5, 8.2],
+               "dask_pcm-prefix": [4.0, 4.2, 4.1]}  # fmt: skip
+    rows = [
+        {"round": r, "variant": v, "seconds": s[r], "end_to_end_seconds": s[r] + 5}
+        for v, s in seconds.items()
+        for r in range(3)
+    ]
+    flags = {
+        s["variant"]: s["measurement_error"]
+        for s in peers.summarise(rows, list(seconds))
+        if s["metric"] == "efficiency"
+    }
+    # dask_pcm running the same passes faster than bare processes is an error of measurement;
+    # prefix reuse runs fewer tokens, so beating the ideal is its point.
+    assert flags == {"dask_pcm": True, "dask_pcm-prefix": False}

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 REPORT = Path(__file__).resolve().parent.parent / "benchmarks" / "report.py"
+# The benchmark scripts import each other as top-level modules (``_protocol``, ``preemption``).
+sys.path.insert(0, str(REPORT.parent))
 
 
 def _import_report() -> ModuleType:
@@ -118,8 +120,8 @@ def test_regeneration_replaces_the_text_between_the_markers(bench: Path) -> None
     assert "| a | 1.00 |\n| b | 2.50 |\n" in text
     assert "9.99" not in text and "hand-typed" not in text
     assert (
-        "From `benchmarks/toy-2026-12-01.json` (2026-12-01), not stamped: run before the JSON "
-        "carried its commit." in text
+        "From `benchmarks/toy-2026-12-01.json` (2026-12-01), not stamped (the JSON records no "
+        "commit)." in text
     )
     assert report.regenerate(bench, [md]) == []  # nothing left to change
 
@@ -175,17 +177,15 @@ def test_a_bad_marker_is_an_error_naming_file_and_line(
     assert md.read_text() == text
 
 
-def test_a_real_generator_reads_both_formats(tmp_path: Path) -> None:
+def test_a_benchmark_table_needs_a_stamped_json(tmp_path: Path) -> None:
+    # The format from before the protocol: a list of rows, one run, no commit.
     rows = [
-        {"level": "full", "preemptions": 5, "tasks_done": 53, "claims_done": 424,
-         "claims_per_s": 3.5333, "errors": 0, "loads": 5, "load_seconds": 41.5955},
-        {"level": "partial", "preemptions": 5, "tasks_done": 40, "claims_done": 320,
-         "claims_per_s": 2.6667, "errors": 0, "loads": 42, "load_seconds": 93.8852},
-    ]  # fmt: skip
-    _write(tmp_path / "runs" / "2026-11-30" / "preemption.json", rows)
-    old = report.GENERATORS["preemption"](tmp_path)
-    assert "| full | 5 | 53 | 424 | 3.53 | 0 | 5 | 41.60 |" in old.table
-    assert [s.meta for s in old.sources] == [None]
+        {"level": "full", "preemptions": 5, "tasks_done": 53, "claims_done": 424, "errors": 0},
+        {"level": "partial", "preemptions": 5, "tasks_done": 40, "claims_done": 320, "errors": 0},
+    ]
+    old = _write(tmp_path / "runs" / "2026-11-30" / "preemption.json", rows)
+    with pytest.raises(report.ReportError, match=f"{re.escape(str(old))}: not stamped"):
+        report.GENERATORS["preemption"](tmp_path)
 
     # The stamped format: rows per round and kill setting, summarised as preemption.py does.
     import preemption
@@ -209,6 +209,30 @@ def test_a_real_generator_reads_both_formats(tmp_path: Path) -> None:
     )
     shown = f"**{ratio['median']:.2f}** ({ratio['low']:.2f}\u2013{ratio['high']:.2f})"
     assert f"| claims full / partial, with kills | {shown} |" in new.table
+
+
+def test_the_runs_table_names_the_run_behind_every_benchmark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "RUNS", {"toy": "toy.py", "other": "other.py --fast"})
+    _write(tmp_path / "toy-2026-12-03.json", {"meta": {**META, "seconds": 1500}, "rows": []})
+    _write(tmp_path / "other-2026-12-02.json", [{"v": 1}])
+
+    block = report.GENERATORS["runs"](tmp_path)
+
+    lines = block.table.splitlines()
+    assert lines[2] == (
+        "| `toy.py` | 1a2b3c4 | 2026-12-03 10:00 | 25 | 3 | 0.10 | Test CPU, 2 cores |"
+    )
+    assert lines[3].startswith("| `other.py --fast` | not stamped |")
+    assert lines[-1] == "Stack of every run: python 3.12.0."
+
+    # a run from a tree with uncommitted changes says so, and differing stacks are listed
+    changed = {**META, "dirty": True, "versions": {"python": "3.13.1"}}
+    _write(tmp_path / "other-2026-12-04.json", {"meta": changed, "rows": []})
+    text = report.GENERATORS["runs"](tmp_path).table
+    assert "| `other.py --fast` | 1a2b3c4 (changed) |" in text
+    assert text.endswith("Stacks: python 3.12.0 (`toy.py`); python 3.13.1 (`other.py`).")
 
 
 def test_a_json_without_the_generators_fields_is_an_error_naming_the_block(tmp_path: Path) -> None:
