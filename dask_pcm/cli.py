@@ -17,7 +17,7 @@ from distributed import Client
 from dask_pcm import client as pcm
 from dask_pcm.config import LEVELS, default_level
 from dask_pcm.context import causal_lm
-from dask_pcm.deploy.batch import KINDS
+from dask_pcm.deploy import KINDS
 from dask_pcm.deploy.local import local_cluster
 from dask_pcm.diagnosis import doctor as examine_workers
 from dask_pcm.diagnosis import format_reports

@@ -12,6 +12,24 @@ import dask.config
 #: dashboard page (Bokeh, ~0.7 s), which every worker would pay on its first dask_pcm task.
 SCHEDULER_PRELOAD = "dask_pcm.scheduler.preload"
 
+#: The batch systems :func:`batch_cluster` starts workers on. Here, not in
+#: :mod:`dask_pcm.deploy.batch`, so that naming them does not import dask-jobqueue (whose
+#: ``runner`` module replaces the process's SIGINT handler when imported).
+KINDS = ("sge", "htcondor")
+
+
+def batch_cluster(kind: str = "sge", **kwargs: Any) -> Any:
+    """Start a batch-system cluster: :func:`dask_pcm.deploy.batch.batch_cluster`, which
+    this imports (with dask-jobqueue) only when called.
+
+    Examples
+    --------
+    >>> cluster = dask_pcm.batch_cluster("sge", minimum=1, maximum=8)   # doctest: +SKIP
+    """
+    from dask_pcm.deploy import batch
+
+    return batch.batch_cluster(kind, **kwargs)
+
 
 def with_preload(preload: Any) -> list[str]:
     """``preload`` (a scheduler's ``preload`` argument: ``None``, a name or a list) with

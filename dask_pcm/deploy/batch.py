@@ -41,11 +41,10 @@ from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 from tornado.ioloop import PeriodicCallback
 
-from dask_pcm.deploy import gpu, with_preload
+from dask_pcm.deploy import KINDS, gpu, with_preload
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("sge", "htcondor")
 PREEMPTION_TRAP = "trap '' USR2"
 
 

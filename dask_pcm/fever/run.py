@@ -26,7 +26,7 @@ from distributed import Client
 from dask_pcm import client as pcm
 from dask_pcm import config
 from dask_pcm.context import causal_lm
-from dask_pcm.deploy.batch import KINDS, batch_cluster
+from dask_pcm.deploy import KINDS, batch_cluster
 from dask_pcm.deploy.local import local_cluster
 from dask_pcm.fever.data import LABELS, demo_claims, load_claims, sample_claims
 from dask_pcm.fever.dispatch import Dispatch
