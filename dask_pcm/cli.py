@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from dask_pcm.fever.data import ERRORS
 from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.scoring import METHODS
 from dask_pcm.gpus import visible_gpus
+from dask_pcm.interrupts import exit_status, interrupt_signal, terminate_as_interrupt
 from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.gpu import DTYPES
 from dask_pcm.tasks import get_context
@@ -88,7 +91,8 @@ def demo(model: str | None, workers: int, level: str | None, repeat: int) -> Non
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        _demo(model, workers, level, repeat)
+        with interruptible(None):
+            _demo(model, workers, level, repeat)
     except PCMError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -193,8 +197,14 @@ def fever(json_path: str | None, **options: Any) -> None:
     if json_path:
         _check_writable(json_path, "--json")  # before the run, not after it
     given = {k: v for k, v in options.items() if v is not None}  # run_fever has the defaults
+    kept = (
+        f"finished units are in {given['output']}; run the same command again to resume"
+        if "output" in given
+        else "the results were not kept (--output DIR keeps them)"
+    )
     try:
-        result = run_fever(**given)
+        with interruptible(kept):
+            result = run_fever(**given)
     except (PCMError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     from dask_pcm.fever.ranking import HOW_TO_READ, display_table  # pandas, once there is a table
@@ -282,6 +292,22 @@ def doctor(
             json.dump([asdict(r) for r in reports], f, indent=2)
     if any(r.error for r in reports):
         sys.exit(1)
+
+
+@contextlib.contextmanager
+def interruptible(kept: str | None) -> Iterator[None]:
+    """SIGTERM raises like Ctrl-C in the block
+    (:func:`~dask_pcm.interrupts.terminate_as_interrupt`): either unwinds through its
+    ``finally`` blocks (the output folder is written), then the command exits with 130
+    (SIGINT) or 143 (SIGTERM) and one line saying what was ``kept``, not with click's
+    "Aborted!" and status 1."""
+    try:
+        with terminate_as_interrupt():
+            yield
+    except KeyboardInterrupt as exc:
+        line = f"Interrupted ({interrupt_signal(exc).name})" + (f": {kept}" if kept else "")
+        click.echo(line, err=True)
+        raise click.exceptions.Exit(exit_status(exc)) from None
 
 
 def _check_writable(path: str, option: str) -> None:
