@@ -273,11 +273,26 @@ def _parse_line(raw: bytes, number: int, first_line_of: dict[int | str, int]) ->
         raise _LineError(f"unknown label {label!r}; expected one of {allowed}")
     if not isinstance(claim, str):
         raise _LineError(f"claim must be a string, not {type(claim).__name__}")
+    for key, value in (("claim", claim), ("id", id_)):
+        if isinstance(value, str):
+            _check_unicode(key, value)
     if not claim.strip():
         raise _LineError("empty claim")
     if id_ in first_line_of:
         raise _LineError(f"duplicate id {id_!r} (first seen on line {first_line_of[id_]})")
     return Claim(id_, claim.strip(), label)
+
+
+def _check_unicode(key: str, text: str) -> None:
+    """Refuse lone surrogates (a JSON ``\\ud800`` escape): they parse, but the tokenizer and
+    the Parquet writer cannot encode them, and would fail late with no file or line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _LineError(
+            f"{key} is not valid Unicode (lone surrogate \\u{ord(text[e.start]):04x} "
+            f"at character {e.start + 1})"
+        ) from None
 
 
 # Invented for dask_pcm: plain facts, plain falsehoods and unverifiable anecdotes.

@@ -363,6 +363,16 @@ def _make(fields: dict[str, Any], name: str, number: int) -> PromptTemplate:
             raise FeverFormatError(f"{name}: template {number}: {key} must be a string")
     if not fields["text"].strip():
         raise FeverFormatError(f"{name}: template {number} ({fields['name']!r}) is empty")
+    for key in ("name", "text", "description", "answers"):
+        value = fields.get(key, "")
+        for text in value if isinstance(value, tuple | list) else [value]:
+            try:
+                str(text).encode("utf-8")  # a JSON "\\ud800" escape parses, then fails late
+            except UnicodeEncodeError as e:
+                raise FeverFormatError(
+                    f"{name}: template {number}: {key} is not valid Unicode (lone surrogate "
+                    f"\\u{ord(str(text)[e.start]):04x} at character {e.start + 1})"
+                ) from None
     try:
         return PromptTemplate(**fields)
     except ValueError as e:

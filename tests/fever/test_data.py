@@ -101,6 +101,12 @@ MALFORMED = [
     (line(None), r"id must be an integer or a string"),
     (line(True), r"id must be an integer or a string"),
     (line(1), r"duplicate id 1 \(first seen on line 1\)"),
+    # json.dumps writes the JSON escape "\ud800": a lone surrogate, which UTF-8 cannot encode.
+    (
+        line(9, claim="abc \ud800 def"),
+        r"claim is not valid Unicode \(lone surrogate \\ud800 at char",
+    ),
+    (line("a-\udc80"), r"id is not valid Unicode \(lone surrogate \\udc80 at character 3\)"),
 ]
 
 
@@ -123,6 +129,30 @@ def test_invalid_utf8_names_the_line(tmp_path):
     path.write_bytes(GOOD[0].encode() + b"\n" + b'{"id": 2, "claim": "\xff"}\n')
     with pytest.raises(FeverFormatError, match=r"dev.jsonl:2: not valid UTF-8"):
         load_claims(path)
+
+
+def test_a_lone_surrogate_is_a_malformed_line_and_skipped(tmp_path):
+    """It used to load, and fail late in the run ('utf-8' codec can't encode) with no line."""
+    path = tmp_path / "dev.jsonl"
+    path.write_bytes(
+        b'{"id": 1, "label": "SUPPORTS", "claim": "abc \\ud800 def"}\n'
+        b'{"id": 2, "label": "REFUTES", "claim": "a pair \\ud83d\\ude00 is fine"}\n'
+    )
+    with pytest.raises(FeverFormatError, match=r"dev.jsonl:1: claim is not valid Unicode"):
+        load_claims(path)
+    claims = load_claims(path, errors="skip")
+    assert claims.skipped == 1
+    assert claims.claims == [Claim(2, "a pair \U0001f600 is fine", "REFUTES")]
+
+
+def test_a_lone_surrogate_in_a_template_file_names_the_file_and_template(tmp_path):
+    """The template loader shares the check: such a template used to load, then fail late."""
+    from dask_pcm.fever.templates import read_templates
+
+    path = tmp_path / "mine.json"
+    path.write_text('[{"name": "ok", "text": "{claim}"}, {"name": "x", "text": "\\udc80 {claim}"}]')
+    with pytest.raises(FeverFormatError, match=r"mine.json: template 2: text is not valid Unicode"):
+        read_templates(path)
 
 
 def test_fever_format_error_is_a_value_error():
