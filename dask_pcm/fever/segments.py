@@ -55,6 +55,13 @@ def segment_number(name: str) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
+def is_segment(name: str) -> bool:
+    """Whether ``name`` is one dask_pcm gives segments (``part-000012.parquet``), not, say,
+    Spark's ``part-00000-<uuid>.snappy.parquet``, which :data:`PATTERN` matches too."""
+    number = segment_number(name)
+    return number >= 0 and segment_name(number) == name
+
+
 def read_index(root: Path) -> tuple[dict[str, Segment], int]:
     """The segments the index lists (lines of one segment merged, the last size winning),
     and the number of lines read. A line that cannot be parsed (a run killed while
@@ -100,11 +107,11 @@ def reconcile(root: Path) -> tuple[dict[str, Segment], bool]:
 
     A listed segment whose size differs from the index, or that the index lacks, is taken
     from its footer; a damaged one is set aside as ``.<name>.unreadable-<time>`` (with a
-    warning), and its units count as not done. Returns the segments and whether the index
-    must be rewritten to match them.
+    warning), and its units count as not done; files of other names are left alone. Returns
+    the segments and whether the index must be rewritten to match them.
     """
     indexed, lines = read_index(root)
-    present = {p.name: p for p in root.glob(PATTERN)}
+    present = {p.name: p for p in root.glob(PATTERN) if is_segment(p.name)}
     segments: dict[str, Segment] = {}
     changed = lines != len(indexed)
     for name, path in sorted(present.items()):

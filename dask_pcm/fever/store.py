@@ -5,6 +5,10 @@ missing units, and no row is ever written twice. At the paper's size (145,449 cl
 templates, 90,910 units of 16 claims) that must not mean one file per unit: a shared
 filesystem's inode quota, and every resume listing them all. What this module does:
 
+- **Only its own folders.** A folder that is not empty and holds no ``_dask_pcm_run.json``
+  (say, a Spark or pandas dataset) is refused, naming what is in it; nothing in it is
+  renamed, removed or added to. A folder holding only the lock and temporary files of a
+  run killed before it wrote its manifest counts as its own.
 - **One run at a time.** The folder is locked (``flock`` on ``.dask-pcm-run.lock``, released
   by the kernel when the run's process dies) for the whole run; a second run on the same
   folder fails at once, naming the process that holds it.
@@ -24,7 +28,10 @@ filesystem's inode quota, and every resume listing them all. What this module do
   random suffix), flushed and fsynced, then renamed into place; the folder is fsynced after
   the rename. Temporary files left by a killed run are removed when the next run takes the
   lock; a segment that cannot be read is set aside under a hidden name, with a warning, and
-  its units computed again.
+  its units computed again. Files of other names are never touched. A write that fails (a
+  full disk) raises :class:`~dask_pcm.exceptions.OutputFolderError` naming the folder, the
+  file and the error, and leaves no temporary file: the same command, run again once the
+  cause is fixed, resumes from the units already written.
 
 ``pandas.read_parquet(folder)`` reads the predictions: hidden and ``_``-prefixed files are
 skipped by pyarrow.
@@ -32,9 +39,11 @@ skipped by pyarrow.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -50,6 +59,7 @@ from dask_pcm.fever.segments import (
     UNITS_KEY,
     Segment,
     index_text,
+    is_segment,
     reconcile,
     segment_name,
     segment_number,
@@ -64,6 +74,10 @@ logger = logging.getLogger(__name__)
 FORMAT = "dask-pcm-fever-output/4"
 MANIFEST = "_dask_pcm_run.json"
 LOCK = ".dask-pcm-run.lock"
+# The temporary files _write_atomically names (``.<name>.<pid>.<random>.tmp``).
+TEMPORARY = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")
+# How many of a foreign folder's names an error quotes.
+_QUOTED_NAMES = 5
 # What must match for a folder to be resumed (``templates`` is compared per template).
 COMPARED = ("model_digest", "loader", "method", "claims_per_task", "claims")
 
@@ -125,6 +139,8 @@ class OutputStore:
             raise OutputFolderError(
                 f"output {root} is a file; give a folder name (e.g. preds.parquet)"
             )
+        # Before the lock file is created: a folder that is not ours gets nothing added.
+        self._refuse_foreign()
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -137,6 +153,8 @@ class OutputStore:
                 f"output folder {root} is in use by another run ({exc}); wait for it to "
                 "finish, or give another folder"
             ) from None
+        except OSError as exc:
+            raise self._write_failed(root / LOCK, exc) from exc
         try:
             self._remove_temporary()
             self._check_provenance()
@@ -155,11 +173,35 @@ class OutputStore:
             locks.unlock(self._lock)
             self._lock = None
 
+    def _refuse_foreign(self) -> None:
+        """Refuse a folder that is not empty and holds no manifest: not written by dask_pcm.
+
+        A run killed between taking the lock and writing the manifest leaves only the lock
+        and temporary files; that folder is ours."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise OutputFolderError(f"output folder {self.root} cannot be listed: {exc}") from exc
+        if MANIFEST in names:
+            return
+        foreign = [n for n in names if n != LOCK and not TEMPORARY.fullmatch(n)]
+        if foreign:
+            more = len(foreign) - _QUOTED_NAMES
+            raise OutputFolderError(
+                f"output folder {self.root} was not written by dask_pcm (no {MANIFEST}) and "
+                f"holds {len(foreign)} file(s): {', '.join(foreign[:_QUOTED_NAMES])}"
+                + (f" and {more} more" if more > 0 else "")
+                + "; give an empty or new folder"
+            )
+
     def _remove_temporary(self) -> None:
-        # We hold the lock: temporary files here belong to runs that died.
+        # We hold the lock: our temporary files here belong to runs that died.
         for stale in self.root.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
-            logger.info("Removed %s, left by a run that did not finish", stale)
+            if TEMPORARY.fullmatch(stale.name):
+                stale.unlink(missing_ok=True)
+                logger.info("Removed %s, left by a run that did not finish", stale)
 
     def _check_provenance(self) -> None:
         manifest = self.root / MANIFEST
@@ -203,8 +245,26 @@ class OutputStore:
         if self._open.rows >= self.segment_rows:
             self.flush()
             self._begin_segment()
-        elif time.monotonic() - self._flushed_at >= self.flush_interval:
-            self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> bool:
+        """Write the open segment if it holds units not yet written and ``flush_interval``
+        seconds have passed since it was last written; return whether it wrote.
+
+        Cheap when there is nothing to do (no I/O): call it from a timer, so that finished
+        units reach the disk on time while no new unit arrives. Call it from the thread that
+        calls :meth:`add`.
+
+        Example
+        -------
+        >>> store.flush_if_due()   # doctest: +SKIP
+        False
+        """
+        if not self._unindexed or time.monotonic() - self._flushed_at < self.flush_interval:
+            return False
+        self.flush()
+        return True
 
     def flush(self) -> None:
         """Write the open segment (everything added to it so far), then index it."""
@@ -237,6 +297,20 @@ class OutputStore:
         self._unindexed = []
 
     def _load_segments(self) -> None:
+        ours = {MANIFEST, INDEX, LOCK}
+        foreign = [
+            p.name
+            for p in self.root.iterdir()
+            if not (p.name in ours or is_segment(p.name) or p.name.startswith((".", "_")))
+        ]
+        if foreign:
+            logger.warning(
+                "Output folder %s also holds files dask_pcm did not write (%s): "
+                "pandas.read_parquet(%s) would read them too; they are left alone",
+                self.root,
+                ", ".join(sorted(foreign)[:_QUOTED_NAMES]),
+                self.root,
+            )
         segments, changed = reconcile(self.root)
         self._segments = segments
         self._units = {u for s in segments.values() for u in s.units}
@@ -248,10 +322,24 @@ class OutputStore:
     def _append_index(self, entry: dict[str, Any]) -> None:
         # One short line, appended and fsynced; a run killed half way through it leaves a
         # line that read_index skips, and the segment's footer tells the rest.
-        with open(self.root / INDEX, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        path = self.root / INDEX
+        line = memoryview((json.dumps(entry) + "\n").encode())
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                size = os.fstat(fd).st_size
+                try:
+                    while line:
+                        line = line[os.write(fd, line) :]
+                    os.fsync(fd)
+                except OSError:
+                    # Half a line, then the next one appended to it, would hide both.
+                    os.ftruncate(fd, size)
+                    raise
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._write_failed(path, exc) from exc
 
     def _write_atomically(self, path: Path, data: bytes) -> None:
         if path.parent != self.root:
@@ -263,10 +351,22 @@ class OutputStore:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise self._write_failed(path, exc) from exc
             raise
         _fsync_directory(self.root)
+
+    def _write_failed(self, path: Path, exc: OSError) -> OutputFolderError:
+        """The error for a write of ``path`` that failed: what failed, and how to go on."""
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+        return OutputFolderError(
+            f"output folder {self.root}: writing {path.name} failed: {reason}. "
+            + ("Free space" if full else "Fix that")
+            + ", then run the same command again: finished units already written are kept"
+        )
 
 
 def read_predictions(
@@ -281,7 +381,7 @@ def read_predictions(
 
     if not Path(root).is_dir():
         raise OutputFolderError(f"output folder {root} does not exist (any more)")
-    paths = sorted(Path(root).glob(PATTERN))
+    paths = sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
     if not paths:
         return pd.DataFrame(columns=columns)
     dataset = ds.dataset(paths, format="parquet")
