@@ -33,7 +33,9 @@ from dask_pcm.deploy import batch_cluster
 from dask_pcm.deploy.local import Nanny, local_cluster
 from dask_pcm.diagnosis import WorkerReport, doctor
 from dask_pcm.exceptions import (
+    BatchJobError,
     ChunkError,
+    ClusterLostError,
     ContextLoadError,
     ContextNotFoundError,
     ContextTimeoutError,
@@ -42,6 +44,7 @@ from dask_pcm.exceptions import (
     ModelSourceError,
     OutputFolderError,
     PCMError,
+    PromptTooLongError,
     TemplateFetchError,
 )
 from dask_pcm.fever.run import FeverResult, run_fever
@@ -56,8 +59,10 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "BatchJobError",
     "CausalLM",
     "ChunkError",
+    "ClusterLostError",
     "Context",
     "ContextLoadError",
     "ContextNotFoundError",
@@ -71,6 +76,7 @@ __all__ = [
     "Nanny",
     "OutputFolderError",
     "PCMError",
+    "PromptTooLongError",
     "TemplateFetchError",
     "WorkerReport",
     "__version__",

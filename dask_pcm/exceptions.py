@@ -67,3 +67,29 @@ class OutputFolderError(PCMError, ValueError):
 class DeviceMemoryError(PCMError, MemoryError):
     """Even one prompt per forward pass does not fit in the device's memory (batches are
     halved on an out-of-memory error first)."""
+
+
+class BatchJobError(PCMError, RuntimeError):
+    """A batch cluster cannot get a worker: its job submissions are rejected, or its jobs keep
+    ending before their worker connects, for longer than ``pcm.jobs.start-timeout``. The
+    message quotes the batch system's own output and names the submit command, the jobs' log
+    directory and ``cluster.job_script()``; ``output`` holds that output alone."""
+
+    def __init__(self, message: str, output: str = "") -> None:
+        super().__init__(message)
+        self.output = output
+
+    def __reduce__(self):  # keep ``output`` when the error travels between processes
+        return (type(self), (self.args[0], self.output))
+
+
+class ClusterLostError(PCMError, ConnectionError):
+    """The client lost its scheduler in the middle of a run (the scheduler died, or the network
+    to it dropped). The message names the scheduler's address; a run with an output folder
+    keeps what it finished and resumes when run again."""
+
+
+class PromptTooLongError(PCMError, ValueError):
+    """A prompt cannot fit the model: more tokens than its context holds, or more memory for
+    one forward pass than the worker's budget. The message names the template, and the claim
+    with its file and line where known."""

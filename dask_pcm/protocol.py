@@ -46,6 +46,14 @@ CHUNK_PLAN_OP = "pcm_chunk_plan"
 CHUNK_HAVE_OP = "pcm_chunk_have"
 KEEP_WORKERS_OP = "pcm_keep_workers"
 
+#: Task annotation (``dask.annotate(**{LOSSES_ANNOTATION: n})``): the task errs with
+#: :class:`~distributed.scheduler.KilledWorker` once ``n`` workers died running it, instead
+#: of after ``distributed.scheduler.allowed-failures`` + 1. A client that can split its work
+#: (:mod:`dask_pcm.fever.dispatch`) asks for 1: after the first loss it runs the task's rows
+#: apart, so that one row that kills workers costs its own row, not its neighbours' or a
+#: restart loop of the cluster.
+LOSSES_ANNOTATION = "pcm_losses"
+
 _KEPT_BY_SCHEDULER = {"kept_by": "scheduler"}
 
 

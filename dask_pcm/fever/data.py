@@ -70,6 +70,8 @@ class ClaimSet:
         The file they came from, as given; ``None`` for the built-in demo set.
     skipped
         How many malformed lines were skipped (``errors="skip"``).
+    lines
+        The 1-based line of each claim in ``path`` (``None`` for the demo set).
 
     Examples
     --------
@@ -81,12 +83,29 @@ class ClaimSet:
     claims: list[Claim]
     path: str | None = None
     skipped: int = 0
+    lines: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.claims)
 
     def __iter__(self) -> Iterator[Claim]:
         return iter(self.claims)
+
+    def where(self, index: int) -> str:
+        """Where claim ``index`` comes from, for messages: ``"<path>:<line>: claim <id>"``,
+        or ``"claim <id>"`` without a file.
+
+        Examples
+        --------
+        >>> demo_claims().where(2)
+        'claim 3'
+        """
+        if not 0 <= index < len(self.claims):
+            return "claim (unknown)"
+        claim = f"claim {self.claims[index].id}"
+        if self.path is None or self.lines is None:
+            return claim
+        return f"{self.path}:{self.lines[index]}: {claim}"
 
     def label_counts(self) -> dict[str, int]:
         """The number of claims per label, for every label in :data:`LABELS` order."""
@@ -156,6 +175,7 @@ def load_claims(
         raise ValueError(f"limit must be a positive number of claims, not {limit!r}")
     name = str(path)
     claims: list[Claim] = []
+    lines: list[int] = []
     problems: list[str] = []
     first_line_of: dict[int | str, int] = {}
     try:
@@ -173,6 +193,7 @@ def load_claims(
                 if claim is not None:
                     first_line_of[claim.id] = number
                     claims.append(claim)
+                    lines.append(number)
     except OSError as e:
         raise FeverFormatError(f"{name}: cannot read FEVER claims: {e.strerror or e}") from e
     if problems:
@@ -192,7 +213,7 @@ def load_claims(
                 f"first: {problems[0]}"
             )
         raise FeverFormatError(f"{name}: no claims (the file is empty or has only blank lines)")
-    result = ClaimSet(claims, name, len(problems))
+    result = ClaimSet(claims, name, len(problems), lines)
     if limit is not None:
         result = sample_claims(result, limit, seed=seed)
     return result
@@ -213,7 +234,7 @@ def sample_claims(claims: ClaimSet, limit: int, *, seed: int = 0) -> ClaimSet:
     if limit <= 0:
         raise ValueError(f"limit must be a positive number of claims, not {limit!r}")
     if limit >= len(claims):
-        return ClaimSet(list(claims.claims), claims.path, claims.skipped)
+        return ClaimSet(list(claims.claims), claims.path, claims.skipped, claims.lines)
     by_label: dict[str, list[int]] = {label: [] for label in LABELS}
     for index, claim in enumerate(claims.claims):
         by_label[claim.label].append(index)
@@ -222,7 +243,9 @@ def sample_claims(claims: ClaimSet, limit: int, *, seed: int = 0) -> ClaimSet:
     chosen: list[int] = []
     for label in LABELS:
         chosen.extend(rng.sample(by_label[label], quotas[label]))
-    return ClaimSet([claims.claims[i] for i in sorted(chosen)], claims.path, claims.skipped)
+    kept = sorted(chosen)
+    lines = None if claims.lines is None else [claims.lines[i] for i in kept]
+    return ClaimSet([claims.claims[i] for i in kept], claims.path, claims.skipped, lines)
 
 
 def _allocate(limit: int, counts: dict[str, int]) -> dict[str, int]:

@@ -16,14 +16,28 @@ Three things keep a run of 90,910 units cheap on the client, the scheduler and p
 - **Batched results.** Finished tasks are gathered together, in one request per batch, and
   their rows come back as Arrow tables.
 
-Tasks run in submission order (each wave has a lower priority than the last). A task whose
-workers were lost allowed-failures times over (:class:`~distributed.scheduler.KilledWorker`,
-likely preemption on an opportunistic cluster) is submitted again twice before the run
-fails.
+Tasks run in submission order (each wave has a lower priority than the last).
+
+What a long run survives:
+
+- **A row that kills its worker** (a crash, the memory killer) costs that row, not the run
+  and not its neighbours. Tasks ask the scheduler to give up on them at the first worker that
+  dies running them (:data:`~dask_pcm.protocol.LOSSES_ANNOTATION`); the dispatch then runs
+  the lost task's units apart, a lost unit in up to four pieces, and so on down to single
+  rows. A single row lost with its worker twice becomes an error row
+  (``error_rows(unit, message)``), and the run goes on. Preempted workers cost a few
+  smaller tasks, never a row: an innocent row is retried once alone.
+- **Time without results.** Every ``_TICK`` seconds, whether or not a task returned, the
+  dispatch calls ``on_tick`` (the output store writes its open segment when due) and, where
+  the cluster has one, its ``raise_if_stuck()`` (a batch cluster whose jobs are rejected
+  fails the run with the batch system's message instead of waiting forever).
+- **A lost scheduler** ends the run with :class:`~dask_pcm.exceptions.ClusterLostError`
+  naming the scheduler's address.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -32,11 +46,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import dask
 from distributed import Client, Future, as_completed
 from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
-from dask_pcm import config
+from dask_pcm import config, protocol
+from dask_pcm.exceptions import ClusterLostError
 from dask_pcm.fever import units as fever_units
 from dask_pcm.fever.units import CONTEXT, Unit
 
@@ -50,16 +66,32 @@ MAX_UNITS_PER_TASK = 64
 #: Tasks in flight at least, whatever the cluster's size: enough queued work for an adaptive
 #: cluster to ask for more workers.
 MIN_IN_FLIGHT = 64
-# Times a task lost with its workers is submitted again.
-_RETRIES = 2
 # Seconds between asking the scheduler how many worker threads there are.
 _THREADS_EVERY = 2.0
+# Seconds between the loop's checks when no task returns (flush, stuck jobs, scheduler).
+_TICK = 1.0
+# Pieces a lost piece of several rows is split into.
+_SPLIT = 4
+# Times a single row may be lost with its worker before it is recorded as an error.
+_ROW_LOSSES = 2
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows ``start ..`` of a unit: the whole unit, or a part of one that was lost."""
+
+    unit: Unit
+    start: int = 0
+    losses: int = 0  # times lost with its worker as a single row
+
+    @property
+    def rows(self) -> int:
+        return len(self.unit.claims)
 
 
 @dataclass
 class _Task:
-    units: list[Unit]
-    tries: int = 0
+    pieces: list[_Piece]
 
 
 class Dispatch:
@@ -79,6 +111,14 @@ class Dispatch:
         Called with the number of units just finished.
     in_flight
         Tasks in flight at most; default ``pcm.fever.tasks-in-flight``.
+    on_tick
+        Called about every second from the loop, whether or not a task returned (the
+        output store's ``flush_if_due``).
+    task
+        The task function (default :func:`~dask_pcm.fever.units.score_units`).
+    error_rows
+        ``error_rows(unit, message)``: the rows recorded for a unit (one row) that killed
+        its workers (default :func:`~dask_pcm.fever.units.error_rows`).
     """
 
     def __init__(
@@ -89,21 +129,32 @@ class Dispatch:
         on_unit: Callable[[str, pa.Table], None],
         progress: Callable[[int], None] = lambda n: None,
         in_flight: int | None = None,
+        on_tick: Callable[[], Any] = lambda: None,
+        task: Callable[..., dict[str, Any]] = fever_units.score_units,
+        error_rows: Callable[[Unit, str], pa.Table] = fever_units.error_rows,
     ) -> None:
         self.client = client
-        self.queue = deque(todo)
+        self.queue: deque[Unit] = deque(todo)
         self.options = options
         self.on_unit = on_unit
         self.progress = progress
+        self.on_tick = on_tick
+        self.task = task
+        self.error_rows = error_rows
         configured = in_flight or config.get("fever.tasks-in-flight")
         self._fixed_in_flight = int(configured) if configured else None
         self.task_seconds = config.fever_task_seconds()
         self.unit_seconds: float | None = None
         self.tasks = 0  # submitted, resubmissions included
+        self.lost_rows = 0  # rows recorded as errors because they killed their workers
         self._waves = 0
         self._threads = 1
         self._threads_at = -_THREADS_EVERY
         self._running: dict[Future, _Task] = {}
+        self._retry: deque[_Piece] = deque()  # pieces of lost tasks, each run alone
+        self._parts: dict[str, list[tuple[int, pa.Table]]] = {}
+        self._totals = {u.name: len(u.claims) for u in todo}  # rows of each unit
+        self._ticked = time.monotonic()
 
     # -- sizing -----------------------------------------------------------------------------
     def threads(self) -> int:
@@ -136,30 +187,34 @@ class Dispatch:
     # -- submitting -------------------------------------------------------------------------
     def _next_tasks(self) -> list[_Task]:
         tasks: list[_Task] = []
+        while self._retry and len(self._running) + len(tasks) < self.in_flight():
+            tasks.append(_Task([self._retry.popleft()]))
         while self.queue and len(self._running) + len(tasks) < self.in_flight():
             size = self.units_per_task()
             first = self.queue.popleft()
             pack = [first]
             while self.queue and len(pack) < size and self.queue[0].template is first.template:
                 pack.append(self.queue.popleft())
-            tasks.append(_Task(pack))
+            tasks.append(_Task([_Piece(u) for u in pack]))
         return tasks
 
     def _submit(self, tasks: list[_Task]) -> list[Future]:
         if not tasks:
             return []
         self._waves += 1
-        futures = pcm.map(
-            self.client,
-            fever_units.score_units,
-            [t.units[0].template for t in tasks],
-            [[(u.name, list(u.claims)) for u in t.units] for t in tasks],
-            context=CONTEXT,
-            key=[f"fever-{t.units[0].name}-x{len(t.units)}-{os.urandom(4).hex()}" for t in tasks],
-            priority=-self._waves,  # earlier waves first
-            pure=False,
-            **self.options,
-        )
+        # Given up at the first worker that dies running it: the loop splits it then.
+        with dask.annotate(**{protocol.LOSSES_ANNOTATION: 1}):
+            futures = pcm.map(
+                self.client,
+                self.task,
+                [t.pieces[0].unit.template for t in tasks],
+                [[(p.unit.name, list(p.unit.claims)) for p in t.pieces] for t in tasks],
+                context=CONTEXT,
+                key=[_key(t) for t in tasks],
+                priority=-self._waves,  # earlier waves first
+                pure=False,
+                **self.options,
+            )
         self.tasks += len(tasks)
         self._running.update(zip(futures, tasks, strict=True))
         return futures
@@ -170,43 +225,135 @@ class Dispatch:
         are cancelled and the error raised."""
         try:
             queue = as_completed(self._submit(self._next_tasks()))
-            for batch in queue.batches():
-                self._collect(batch, queue)
-                queue.update(self._submit(self._next_tasks()))
+            while not queue.is_empty():
+                batch = _next_batch(queue, _TICK)
+                if batch:
+                    self._collect(batch, queue)
+                    queue.update(self._submit(self._next_tasks()))
+                if time.monotonic() - self._ticked >= _TICK:
+                    self._tick()
+            self.on_tick()
         except BaseException:
-            self.client.cancel(list(self._running))
+            if self.client.status == "running":
+                self.client.cancel(list(self._running))
             self._running.clear()
             raise
+
+    def _tick(self) -> None:
+        self._ticked = time.monotonic()
+        self.on_tick()
+        self._check_scheduler()
+        stuck = getattr(self.client.cluster, "raise_if_stuck", None)
+        if stuck is not None:
+            stuck()
+
+    def _check_scheduler(self) -> None:
+        if self.client.status not in ("running", "newly-created"):
+            address = getattr(self.client.scheduler, "address", None) or "unknown"
+            raise ClusterLostError(
+                f"lost the connection to the scheduler at {address} (client {self.client.status}): "
+                "the scheduler died, or the network to it dropped, with "
+                f"{sum(len(t.pieces) for t in self._running.values())} task(s) unfinished"
+            )
 
     def _collect(self, batch: list[Future], queue: as_completed) -> None:
         finished = [f for f in batch if f.status == "finished"]
         for future in batch:
             if future.status != "finished":
-                queue.update(self._failed(future))
+                self._failed(future)
         results = self.client.gather(finished) if finished else []
         for future, result in zip(finished, results, strict=True):
             task = self._running.pop(future)
-            self._learn(result["seconds"], len(task.units))
-            for name, table in result["units"]:
-                self.on_unit(name, table)
-            self.progress(len(task.units))
+            self._learn(result["seconds"], len(task.pieces))
+            for piece, (_, table) in zip(task.pieces, result["units"], strict=True):
+                self._piece_done(piece, table)
 
-    def _failed(self, future: Future) -> list[Future]:
-        """Submit again a task lost with its workers; raise anything else."""
+    def _piece_done(self, piece: _Piece, table: pa.Table) -> None:
+        """Hand over a unit when its last piece is in (rows in the unit's order)."""
+        name = piece.unit.name
+        parts = self._parts.setdefault(name, [])
+        parts.append((piece.start, table))
+        if sum(t.num_rows for _, t in parts) < self._totals[name]:
+            return
+        del self._parts[name]
+        del self._totals[name]
+        if len(parts) == 1:
+            whole = parts[0][1]
+        else:
+            import pyarrow as pa
+
+            parts.sort(key=lambda part: part[0])
+            whole = pa.concat_tables([t for _, t in parts], promote_options="default")
+        self.on_unit(name, whole)
+        self.progress(1)
+
+    def _failed(self, future: Future) -> None:
+        """Split a task lost with its workers; raise anything else."""
         task = self._running.pop(future)
         if future.status != "error":
-            raise RuntimeError(f"task {future.key} ended as {future.status!r}, not finished")
+            self._check_scheduler()
+            raise RuntimeError(
+                f"task {future.key} ended as {future.status!r}, not finished: cancelled by "
+                "another client, or its cluster closed"
+            )
         error = future.exception()
-        # Workers preempted while running the same task, distributed's allowed-failures
-        # times over: on an opportunistic cluster that is bad luck more often than a task
-        # that kills workers, so try it again a few times before giving up.
-        if not isinstance(error, KilledWorker) or task.tries >= _RETRIES:
+        if not isinstance(error, KilledWorker):
             raise error
-        logger.warning(
-            "Units %s..%s lost with their workers (%s); submitting them again",
-            task.units[0].name,
-            task.units[-1].name,
-            error,
+        self._split(task, error)
+
+    def _split(self, task: _Task, error: KilledWorker) -> None:
+        pieces = task.pieces
+        if len(pieces) > 1:
+            logger.warning(
+                "A worker died running units %s..%s (%s); running each of them alone",
+                pieces[0].unit.name,
+                pieces[-1].unit.name,
+                error,
+            )
+            self._retry.extend(pieces)
+            return
+        piece = pieces[0]
+        if piece.rows > 1:
+            size = -(-piece.rows // _SPLIT)
+            claims = piece.unit.claims
+            logger.warning(
+                "A worker died running %d rows of unit %s (%s); running them in %d pieces",
+                piece.rows,
+                piece.unit.name,
+                error,
+                -(-piece.rows // size),
+            )
+            for offset in range(0, piece.rows, size):
+                part = dataclasses.replace(piece.unit, claims=claims[offset : offset + size])
+                self._retry.append(_Piece(part, piece.start + offset))
+            return
+        if piece.losses + 1 < _ROW_LOSSES:
+            self._retry.append(dataclasses.replace(piece, losses=piece.losses + 1))
+            return
+        last = getattr(getattr(error, "last_worker", None), "address", None) or "?"
+        message = (
+            f"its worker died each of the {piece.losses + 1} times this row was scored "
+            f"alone (last: {last})"
         )
-        task.tries += 1
-        return self._submit([task])
+        logger.error("Unit %s row %d: %s", piece.unit.name, piece.start, message)
+        self.lost_rows += 1
+        self._piece_done(piece, self.error_rows(piece.unit, message))
+
+
+def _key(task: _Task) -> str:
+    first = task.pieces[0]
+    part = f"-r{first.start}" if first.start or first.losses else ""
+    return f"fever-{first.unit.name}{part}-x{len(task.pieces)}-{os.urandom(4).hex()}"
+
+
+def _next_batch(queue: as_completed, timeout: float) -> list[Future]:
+    """The futures finished by now, waiting up to ``timeout`` seconds for a first one."""
+    deadline = time.monotonic() + timeout
+    batch = queue.next_batch(block=False)
+    while not batch and not queue.is_empty():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.02, left))
+        batch = queue.next_batch(block=False)
+    return batch

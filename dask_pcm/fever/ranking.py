@@ -237,7 +237,7 @@ def display_table(table: pd.DataFrame) -> pd.DataFrame:
     for column in table.columns:
         if column.startswith(("macro_f1", "recall_", "calibrated_")):
             shown[column] = table[column].map(number)
-        elif column == "unparseable":
+        elif column == "unparseable" or (column == "errors" and table[column].any()):
             shown[column] = table[column]
     shown["p_vs_best"] = [
         "best" if i == 0 else number(p, "#.3g") for i, p in enumerate(table["p_vs_best"])

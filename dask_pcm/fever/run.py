@@ -18,6 +18,8 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +30,15 @@ from dask_pcm import config
 from dask_pcm.context import causal_lm
 from dask_pcm.deploy import KINDS, batch_cluster
 from dask_pcm.deploy.local import local_cluster
-from dask_pcm.fever.data import LABELS, demo_claims, load_claims, sample_claims
+from dask_pcm.exceptions import PromptTooLongError
+from dask_pcm.fever import units as fever_units
+from dask_pcm.fever.data import LABELS, ClaimSet, demo_claims, load_claims, sample_claims
 from dask_pcm.fever.dispatch import Dispatch
 from dask_pcm.fever.scoring import check_method
 from dask_pcm.fever.store import OutputStore, read_predictions
-from dask_pcm.fever.templates import get_templates
+from dask_pcm.fever.templates import PromptTemplate, get_templates
 from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance
+from dask_pcm.interrupts import terminate_as_interrupt
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -123,6 +128,7 @@ def run_fever(
     progress: bool = True,
     prefix_cache: bool = True,
     batch_size: int | None = None,
+    truncate: bool | None = None,
 ) -> FeverResult:
     """Score FEVER claims under several prompt templates and rank the templates.
 
@@ -158,7 +164,18 @@ def run_fever(
         other model contents, loader options, method, claims per task, claims, or other
         templates of the same name (the error names what differs).
     errors : {"raise", "skip"}
-        What to do with malformed lines of ``data``.
+        What to do with malformed lines of ``data`` and with claims whose prompt cannot fit
+        the model (more tokens than its context, or more memory for one pass than the
+        worker allows): ``"raise"`` stops before any unit is scored, naming the file and
+        line; ``"skip"`` goes on, counts them (``report["skipped_lines"]``,
+        ``report["row_errors"]``) and records each such prompt as a row with ``error`` set
+        and no prediction. A row whose worker dies scoring it (twice) is recorded the same
+        way whatever ``errors`` says, and the run goes on.
+    truncate : bool, optional
+        Cut over-long claims (from their end) until their prompts fit, instead of treating
+        them as errors; each row says how many tokens were cut (``truncated_tokens``), and
+        ``report["truncated"]`` counts them. Default ``pcm.fever.truncate`` (false). A
+        template whose own text does not fit is refused either way.
     num_templates : int, optional
         Keep the first N templates.
     workers : int, optional
@@ -198,6 +215,8 @@ def run_fever(
         raise ValueError(f"errors must be 'raise' or 'skip', not {errors!r}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if truncate is None:
+        truncate = bool(config.get("fever.truncate"))
     claims = demo_claims() if data is None else load_claims(data, errors=errors)  # type: ignore[arg-type]
     if limit is not None:
         claims = sample_claims(claims, limit, seed=seed)
@@ -209,26 +228,36 @@ def run_fever(
     names = [t.name for t in chosen]
     start = time.perf_counter()
     tables: list[pa.Table] = []
+    errors_seen = RowErrors(claims)
     with contextlib.ExitStack() as stack:
+        # SIGTERM (walltime, docker stop, kill PID) unwinds like Ctrl-C: what finished is kept.
+        stack.enter_context(terminate_as_interrupt())
         store = stack.enter_context(OutputStore(output, recorded)) if output else None
         done = store.done() if store else set()
         todo = [u for u in units if u.name not in done]
         digest = recorded["model_digest"]
 
         def finished(name: str, table: pa.Table) -> None:
+            errors_seen.add(table)
             table = _with_digest(table, digest)
             if store:
                 store.add(name, table)
             else:
                 tables.append(table)
 
+        job = _Job(
+            todo=todo,
+            templates=chosen,
+            claims=claims,
+            options={"method": method, "prefix_cache": prefix_cache, "truncate": truncate},
+            errors=errors,
+            model=str(context.template),
+            finished=finished,
+            tick=store.flush_if_due if store else (lambda: None),
+        )
         # A resume with nothing left to compute starts no cluster and loads no model.
         workers_report, tasks = (
-            _compute(
-                cluster, workers, context, level, todo, method, prefix_cache, finished, progress
-            )
-            if todo
-            else ([], 0)
+            _compute(cluster, workers, context, level, job, progress) if todo else ([], 0)
         )
     report = {
         "wall_seconds": time.perf_counter() - start,
@@ -237,11 +266,20 @@ def run_fever(
         "files": store.files if store else 0,
         "claims": len(claims),
         "skipped_lines": claims.skipped,
+        "row_errors": errors_seen.count,
+        "row_error_examples": errors_seen.examples,
+        "truncated": errors_seen.truncated,
         "workers": workers_report,
     }
+    if errors_seen.count:
+        logger.warning(
+            "%d row(s) recorded as errors, without a prediction: %s",
+            errors_seen.count,
+            "; ".join(errors_seen.examples),
+        )
     if output is not None:
         # The summary reads only the columns it needs, from the folder: the run kept no rows.
-        columns = ["template", "claim_id", "label", "predicted"]
+        columns = ["template", "claim_id", "label", "predicted", "error"]
         if method == "logits":
             columns += [f"score_{label}" for label in LABELS]
         predictions = None
@@ -258,7 +296,13 @@ def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
     the best template (:func:`dask_pcm.fever.ranking.rank`)."""
     from dask_pcm.fever.ranking import rank  # pandas, only when a summary is made
 
-    return rank(predictions)
+    if "error" not in predictions:
+        return rank(predictions).assign(errors=0)
+    # Rows recorded as errors have no prediction: they count apart, not as wrong answers.
+    failed = predictions["error"].notna()
+    errors = predictions[failed].groupby("template").size()
+    table = rank(predictions[~failed])
+    return table.assign(errors=table["template"].map(errors).fillna(0).astype(int))
 
 
 def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
@@ -279,19 +323,25 @@ def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
     raise TypeError(f"cluster must be None, a distributed.Client or a cluster, got {cluster!r}")
 
 
+@dataclass
+class _Job:
+    """What :func:`_compute` scores, and where the rows go."""
+
+    todo: list[Unit]
+    templates: list[PromptTemplate]
+    claims: ClaimSet
+    options: dict[str, Any]
+    errors: str
+    model: str
+    finished: Callable[[str, pa.Table], None]
+    tick: Callable[[], Any]
+
+
 def _compute(
-    cluster: Any,
-    workers: int | None,
-    context: Any,
-    level: str,
-    todo: list[Unit],
-    method: str,
-    prefix_cache: bool,
-    finished: Any,
-    progress: bool,
+    cluster: Any, workers: int | None, context: Any, level: str, job: _Job, progress: bool
 ) -> tuple[list[dict[str, Any]], int]:
-    """Register the model on the cluster and score ``todo``; returns the report's per-worker
-    rows and the number of tasks submitted."""
+    """Register the model on the cluster and score ``job.todo``; returns the report's
+    per-worker rows and the number of tasks submitted."""
     client, owned = _client(cluster, workers)
     if owned and progress:
         # Where to watch: the cluster is ours, so the user has no other way to know.
@@ -300,12 +350,14 @@ def _compute(
             file=sys.stderr,
             flush=True,
         )
-    bar = _progress_bar(len(todo), progress)
+    bar = _progress_bar(len(job.todo), progress)
     try:
         pcm.register(client, context, level=level)
+        check_prompts(client, job)
         before = _tasks_by_worker(client)
-        options = {"method": method, "prefix_cache": prefix_cache}
-        dispatch = Dispatch(client, todo, options, finished, bar.update)
+        dispatch = Dispatch(
+            client, job.todo, job.options, job.finished, bar.update, on_tick=job.tick
+        )
         dispatch.run()
         after = pcm.status(client, [CONTEXT])
     finally:
@@ -326,6 +378,87 @@ def _compute(
         for r in after.itertuples()
     ]
     return rows, dispatch.tasks
+
+
+def check_prompts(client: Client, job: _Job) -> None:
+    """Before any unit: refuse templates too long for the model and, with errors "raise",
+    claims whose prompts cannot fit (one small task on a worker with the model)."""
+    method = job.options["method"]
+    found = pcm.submit(
+        client,
+        fever_units.check_prompts,
+        job.templates,
+        [c.claim for c in job.claims.claims],
+        method,
+        context=CONTEXT,
+        pure=False,
+    ).result()
+    limit = found["limit"]
+    for name, tokens in found["templates"].items():
+        if tokens >= limit:
+            raise PromptTooLongError(
+                f"template {name!r} is {tokens} tokens without its claim; model {job.model} "
+                f"takes prompts of at most {limit} tokens"
+                f"{' with the answer' if method == 'generate' else ''} on these workers: "
+                "shorten the template or use a model with a longer context"
+            )
+    too_long = found["too_long"]
+    if not too_long or job.errors == "skip" or job.options.get("truncate"):
+        if too_long:
+            logger.warning(
+                "%d prompt(s) cannot fit the model; %s: %s",
+                len(too_long),
+                "their claims are cut to fit"
+                if job.options.get("truncate")
+                else "recorded as errors",
+                "; ".join(_too_long(job.claims, entry) for entry in too_long[:3]),
+            )
+        return
+    shown = "\n  ".join(_too_long(job.claims, entry) for entry in too_long[:5])
+    more = f"\n  (and {len(too_long) - 5} more)" if len(too_long) > 5 else ""
+    raise PromptTooLongError(
+        f"{len(too_long)} prompt(s) cannot fit the model, nothing was scored:\n  {shown}{more}\n"
+        "errors='skip' (--errors skip) records them as errors and scores the rest; "
+        "truncate=True (--truncate) cuts the claims to fit."
+    )
+
+
+def _too_long(claims: ClaimSet, entry: Any) -> str:
+    index, template, _tokens, why = entry
+    return f"{claims.where(index)}: under template {template!r}: {why}"
+
+
+class RowErrors:
+    """Counts the rows recorded as errors (and truncated) as units finish, and keeps the
+    first few, named by file and line."""
+
+    def __init__(self, claims: ClaimSet, keep: int = 5) -> None:
+        self.claims = claims
+        self.count = 0
+        self.truncated = 0
+        self.examples: list[str] = []
+        self._keep = keep
+        self._index: dict[Any, int] | None = None
+
+    def add(self, table: pa.Table) -> None:
+        names = table.column_names
+        if "truncated_tokens" in names:
+            self.truncated += sum(1 for t in table.column("truncated_tokens").to_pylist() if t)
+        if "error" not in names or table.column("error").null_count == table.num_rows:
+            return
+        ids = table.column("claim_id").to_pylist()
+        templates = table.column("template").to_pylist()
+        for claim_id, template, error in zip(
+            ids, templates, table.column("error").to_pylist(), strict=True
+        ):
+            if error is None:
+                continue
+            self.count += 1
+            if len(self.examples) < self._keep:
+                if self._index is None:
+                    self._index = {c.id: i for i, c in enumerate(self.claims.claims)}
+                where = self.claims.where(self._index.get(claim_id, -1))
+                self.examples.append(f"{where} under template {template!r}: {error}")
 
 
 def _tasks_by_worker(client: Client) -> dict[str, int]:

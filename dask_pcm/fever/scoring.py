@@ -24,6 +24,8 @@ from typing import Any
 from dask_pcm.fever.data import LABELS
 
 METHODS = ("logits", "generate")
+#: Tokens method ``"generate"`` generates per prompt.
+GENERATE_TOKENS = 6
 UNPARSEABLE = "UNPARSEABLE"
 """The ``predicted`` value of a generated answer that names no label."""
 
@@ -131,7 +133,7 @@ def parse_verdict(text: str, answers: Sequence[str]) -> str:
 
 
 def score_generate(
-    lm: Any, prompts: Sequence[str], answers: Sequence[str], max_new_tokens: int = 6
+    lm: Any, prompts: Sequence[str], answers: Sequence[str], max_new_tokens: int = GENERATE_TOKENS
 ) -> list[dict[str, Any]]:
     """Score a batch of ready prompts by generating a short answer and parsing it.
 

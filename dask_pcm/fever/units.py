@@ -14,14 +14,17 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dask_pcm.fever.data import Claim, ClaimSet
-from dask_pcm.fever.scoring import score_generate, score_logits
+from dask_pcm.fever.scoring import GENERATE_TOKENS, score_generate, score_logits
 from dask_pcm.fever.templates import PromptTemplate
 from dask_pcm.tasks import get_context
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.sources import resolve_source
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 #: The name of the model context a FEVER run registers.
 CONTEXT = "fever-llm"
@@ -44,20 +47,154 @@ def score_unit(
     method: str,
     context: str = CONTEXT,
     prefix_cache: bool = True,
+    truncate: bool = False,
 ) -> list[dict[str, Any]]:
     """The task: score ``claims`` under ``template`` with the worker's resident model;
-    with ``prefix_cache`` the template's part before the claim is computed once per worker."""
+    with ``prefix_cache`` the template's part before the claim is computed once per worker.
+
+    A prompt that cannot fit the model (:meth:`~dask_pcm.LanguageModel.prompt_problem`: its
+    context, or the memory one pass may take) is not run: its row carries ``error`` (and no
+    prediction), or, with ``truncate``, its claim is cut until the prompt fits and the row
+    says by how many tokens (``truncated_tokens``).
+    """
     lm = get_context(context)
-    prompts = [template.render(c.claim, lm.tokenizer) for c in claims]
-    if method == "logits":
-        head = template_head(template, lm.tokenizer) if prefix_cache else None
-        scored = score_logits(lm, prompts, template.answers, prefix=head)
-    else:
-        scored = score_generate(lm, prompts, template.answers)
+    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
+    texts = [c.claim for c in claims]
+    prompts = [template.render(text, lm.tokenizer) for text in texts]
+    problems: list[str | None] = [None] * len(prompts)
+    cut = [0] * len(prompts)
+    for i, tokens in enumerate(lm.count_tokens(prompts)):
+        problem = lm.prompt_problem(tokens, method, new_tokens)
+        if problem and truncate:
+            texts[i], prompts[i], cut[i], problem = _truncated(lm, template, texts[i], method)
+        problems[i] = problem
+    fine = [i for i, p in enumerate(problems) if p is None]
+    scored_fine: list[dict[str, Any]] = []
+    if fine:
+        chosen = [prompts[i] for i in fine]
+        if method == "logits":
+            head = template_head(template, lm.tokenizer) if prefix_cache else None
+            scored_fine = score_logits(lm, chosen, template.answers, prefix=head)
+        else:
+            scored_fine = score_generate(lm, chosen, template.answers, new_tokens)
+    scored: list[dict[str, Any]] = [{"predicted": None, "error": p} for p in problems]
+    for i, row in zip(fine, scored_fine, strict=True):
+        scored[i] = {**row, "error": None}
+    if truncate:
+        for row, tokens in zip(scored, cut, strict=True):
+            row["truncated_tokens"] = tokens
     return [
         {"claim_id": c.id, "template": template.name, "label": c.label, **row}
         for c, row in zip(claims, scored, strict=True)
     ]
+
+
+def _truncated(
+    lm: Any, template: PromptTemplate, text: str, method: str
+) -> tuple[str, str, int, str | None]:
+    """``text`` cut (from its end) until ``template``'s prompt of it fits ``lm``: the text, the
+    prompt, the tokens cut and what is still wrong (``None`` once it fits)."""
+    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
+    with lm.lock:
+        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    keep = len(ids)
+    prompt = template.render(text, lm.tokenizer)
+    problem = lm.prompt_problem(lm.count_tokens([prompt])[0], method, new_tokens)
+    while problem and keep > 0:
+        overflow = lm.count_tokens([prompt])[0] + new_tokens - fitting_tokens(lm, method)
+        keep = max(0, keep - max(overflow, 1))
+        with lm.lock:
+            text = lm.tokenizer.decode(ids[:keep])
+        prompt = template.render(text, lm.tokenizer)
+        problem = lm.prompt_problem(lm.count_tokens([prompt])[0], method, new_tokens)
+    return text, prompt, len(ids) - keep, problem
+
+
+def fitting_tokens(lm: Any, method: str) -> int:
+    """The most prompt tokens (new ones included) a pass on ``lm`` takes: the context, or
+    fewer where one pass of more would not fit the memory budget."""
+    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
+    low, high = 1, lm.max_tokens or 1 << 20
+    if lm.prompt_problem(high - new_tokens, method, new_tokens) is None:
+        return high
+    while low < high:  # the largest count with no problem
+        middle = (low + high + 1) // 2
+        if lm.prompt_problem(middle - new_tokens, method, new_tokens) is None:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def check_prompts(
+    templates: Sequence[PromptTemplate],
+    claims: Sequence[str],
+    method: str,
+    context: str = CONTEXT,
+) -> dict[str, Any]:
+    """The task a run sends once before any unit: which prompts cannot fit the model.
+
+    Returns ``limit`` (the most tokens a prompt may have, new ones included), ``templates``
+    (each template's own tokens: its prompt for an empty claim) and ``too_long``: (index in
+    ``claims``, template name, tokens, why) of every prompt that does not fit. Only claims
+    whose UTF-8 length could make them too long are tokenized (a token holds at least one
+    byte), so a run of short claims costs one small task.
+    """
+    lm = get_context(context)
+    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
+    limit = fitting_tokens(lm, method)
+    own = dict(
+        zip(
+            [t.name for t in templates],
+            lm.count_tokens([t.render("", lm.tokenizer) for t in templates]),
+            strict=True,
+        )
+    )
+    too_long = []
+    slack = 8  # special tokens and the claim's merges with the text around it
+    room = limit - new_tokens - max(own.values(), default=0) - slack
+    suspects = [i for i, text in enumerate(claims) if len(text.encode("utf-8")) > room]
+    for template in templates:
+        if not suspects:
+            break
+        prompts = [template.render(claims[i], lm.tokenizer) for i in suspects]
+        for i, tokens in zip(suspects, lm.count_tokens(prompts), strict=True):
+            problem = lm.prompt_problem(tokens, method, new_tokens)
+            if problem:
+                too_long.append((i, template.name, tokens, problem))
+    return {"limit": limit, "templates": own, "too_long": too_long}
+
+
+def _typed(table: pa.Table) -> pa.Table:
+    """``table`` with its text columns typed as text when all their values are missing (a
+    unit of error rows), so that segments and units concatenate to one schema."""
+    import pyarrow as pa
+
+    for name in ("predicted", "error", "generated"):
+        index = table.schema.get_field_index(name)
+        if index >= 0 and pa.types.is_null(table.schema.field(index).type):
+            table = table.set_column(index, name, table.column(name).cast(pa.string()))
+    return table
+
+
+def error_rows(unit: Unit, message: str) -> pa.Table:
+    """The rows of ``unit`` recorded as errors (no prediction), each with ``message``."""
+    import pyarrow as pa
+
+    return _typed(
+        pa.Table.from_pylist(
+            [
+                {
+                    "claim_id": c.id,
+                    "template": unit.template.name,
+                    "label": c.label,
+                    "predicted": None,
+                    "error": message,
+                }
+                for c in unit.claims
+            ]
+        )
+    )
 
 
 def score_units(
@@ -66,6 +203,7 @@ def score_units(
     method: str,
     context: str = CONTEXT,
     prefix_cache: bool = True,
+    truncate: bool = False,
 ) -> dict[str, Any]:
     """The task run_fever submits: several units (name, claims) of one template, scored one
     after the other by :func:`score_unit`.
@@ -79,8 +217,10 @@ def score_units(
     start = time.perf_counter()
     scored = []
     for name, claims in units:
-        rows = score_unit(template, claims, method, context=context, prefix_cache=prefix_cache)
-        scored.append((name, pa.Table.from_pylist(rows)))
+        rows = score_unit(
+            template, claims, method, context=context, prefix_cache=prefix_cache, truncate=truncate
+        )
+        scored.append((name, _typed(pa.Table.from_pylist(rows))))
     return {"units": scored, "seconds": time.perf_counter() - start}
 
 

@@ -142,16 +142,21 @@ class CausalLM:
         return lm
 
     def _size_batches(self, torch: Any, lm: LanguageModel, plan: DevicePlan) -> None:
+        if not plan.is_cuda:
+            # Host memory bounds a pass on the CPU as device memory does on a GPU: without
+            # it, one prompt of 100,000 tokens grew a worker past 9 GiB before the nanny
+            # killed it, and again on every worker it was sent to.
+            lm.memory_budget = host_memory_budget()
+            lm.batch_size = self.batch_size or CPU_BATCH_SIZE
+            return
+        free, _ = torch.cuda.mem_get_info(torch.device(plan.device))
+        lm.memory_budget = int(free * BATCH_MEMORY_FRACTION)
         if self.batch_size is not None:
             lm.batch_size = self.batch_size
-        elif not plan.is_cuda:
-            lm.batch_size = CPU_BATCH_SIZE
-        else:
-            free, _ = torch.cuda.mem_get_info(torch.device(plan.device))
-            lm.memory_budget = int(free * BATCH_MEMORY_FRACTION)
-            element = next(lm.model.parameters()).element_size()
-            need = prompt_bytes(lm.model.config, element, TOKENS_PER_PROMPT, "logits")
-            lm.batch_size = rows_that_fit(lm.memory_budget, need)
+            return
+        element = next(lm.model.parameters()).element_size()
+        need = prompt_bytes(lm.model.config, element, TOKENS_PER_PROMPT, "logits")
+        lm.batch_size = rows_that_fit(lm.memory_budget, need)
 
     def estimate_bytes(self, location: str | os.PathLike[str] | None) -> int:
         """Memory a model loaded from ``location`` will take, before loading it: the size of
@@ -175,6 +180,34 @@ class CausalLM:
                 lm.prefix_cache.clear()
         if model is not None:
             _discard(model)
+
+
+def host_memory_budget() -> int:
+    """Bytes a forward pass may take on the CPU: :data:`BATCH_MEMORY_FRACTION` of what the
+    worker's memory limit (distributed's ``memory_limit``; the host's memory outside a
+    worker) leaves beside this process's resident memory, the model just loaded included."""
+    import psutil
+
+    limit = _worker_memory_limit() or psutil.virtual_memory().total
+    resident = psutil.Process().memory_info().rss
+    return int(max(limit - resident, 0) * BATCH_MEMORY_FRACTION)
+
+
+def _worker_memory_limit() -> int | None:
+    """The memory limit of the Dask worker this code runs in (``None``: no worker or no
+    limit). Loads run in the worker plugin's threads, outside any task, so the worker is
+    found as the process's only one (a worker process holds exactly one)."""
+    from distributed import Worker, get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        instances = list(Worker._instances)
+        if len(instances) != 1:
+            return None
+        worker = instances[0]
+    limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+    return int(limit) if limit else None
 
 
 def _discard(model: Any) -> None:

@@ -87,7 +87,9 @@ class LanguageModel:
     dtype
         The weights' dtype (``"float32"``, ``"float16"``, ``"bfloat16"``).
     memory_budget
-        Device bytes a pass may fill (on a GPU); ``None``: ``batch_size`` alone decides.
+        Device bytes a pass may fill (on a GPU: a share of the free device memory; on a
+        CPU: a share of the worker's memory limit left after the model); ``None``:
+        ``batch_size`` alone decides.
     device_bytes
         Device memory the model took at load, weights and warm-up pass (the CUDA allocator's
         count); ``None`` on the CPU.
@@ -115,6 +117,49 @@ class LanguageModel:
     warning: str | None = None
     prefix_cache: PrefixCache | None = field(default=None, repr=False, compare=False)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens the model takes in one sequence (its context), from its config;
+        ``None`` when the config does not say."""
+        config = getattr(self.model, "config", None)
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def prompt_problem(
+        self, tokens: int, method: str = "logits", new_tokens: int = 0
+    ) -> str | None:
+        """Why a prompt of ``tokens`` tokens cannot run here, or ``None`` when it can: more
+        tokens (``new_tokens`` to generate included) than the model's context holds, or more
+        memory for one pass of it alone than ``memory_budget`` allows.
+
+        Example
+        -------
+        >>> lm.prompt_problem(100_000)  # doctest: +SKIP
+        "100000 tokens exceed the model's context of 8192 tokens (/models/smollm2)"
+        """
+        limit = self.max_tokens
+        if limit is not None and tokens + new_tokens > limit:
+            wanted = f"{tokens} tokens" + (f" + {new_tokens} to generate" if new_tokens else "")
+            return f"{wanted} exceed the model's context of {limit} tokens ({self.source})"
+        if self.memory_budget is not None:
+            element = next(self.model.parameters()).element_size()
+            need = prompt_bytes(self.model.config, element, tokens, method, new_tokens)
+            if need > self.memory_budget:
+                return (
+                    f"one forward pass of {tokens} tokens needs about {need / 2**30:.2f} GiB, "
+                    f"over the {self.memory_budget / 2**30:.2f} GiB a pass may take on "
+                    f"{self.device} (model {self.source})"
+                )
+        return None
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each of ``texts`` as the model's prompts tokenize."""
+        with self.lock:
+            return [len(ids) for ids in self.tokenizer(list(texts))["input_ids"]]
 
     def rows_per_pass(self, prompts: list[str], method: str = "logits", new_tokens: int = 0) -> int:
         """Prompts per forward pass for ``prompts``: ``batch_size``, fewer where the memory

@@ -101,6 +101,7 @@ class ContextScheduler(SchedulerPlugin):
 
     def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
         self.steering.new_tasks(tasks)
+        limit_losses(scheduler, tasks)
 
     def transition(
         self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str, **kwargs: Any
@@ -151,6 +152,19 @@ class ContextScheduler(SchedulerPlugin):
         """Per context: level, workers per state, tasks served, tasks queued or running, and
         of those the tasks waiting for a worker where it is ready."""
         return self.states.summary(self.steering.waiting(), self.steering.pending())
+
+
+def limit_losses(scheduler: Scheduler, keys: list[Any]) -> None:
+    """Tasks annotated with :data:`~dask_pcm.protocol.LOSSES_ANNOTATION` = ``n`` err with
+    ``KilledWorker`` after ``n`` worker deaths: their count of deaths starts where the
+    scheduler's ``allowed_failures`` leaves only ``n``."""
+    allowed = scheduler.allowed_failures
+    for key in keys:
+        ts = scheduler.tasks.get(key)
+        losses = (ts.annotations or {}).get(protocol.LOSSES_ANNOTATION) if ts else None
+        if losses:
+            assert ts is not None
+            ts.suspicious = max(ts.suspicious, allowed + 1 - int(losses))
 
 
 def get_plugin(scheduler: Scheduler) -> ContextScheduler:

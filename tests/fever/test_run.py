@@ -114,25 +114,30 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
         run_fever(model=tiny_model_dir, cluster="slurm", num_templates=1)
 
 
-LOST: dict[str, int] = {}  # tries per unit, shared with the in-process workers
+LOST: dict[tuple[str, int], int] = {}  # tries per piece, shared with the in-process workers
 GONE = SimpleNamespace(address="tcp://10.0.0.1:1")  # the last worker that "died"
 
 
 def _unlucky(template, claims, method, **options):
-    """The first two tries of every unit lose their workers, then it is scored."""
-    LOST[claims[0].id] = LOST.get(claims[0].id, 0) + 1
-    if LOST[claims[0].id] <= 2:
+    """The first try of every piece (its first claim and size) loses its worker."""
+    piece = (claims[0].id, len(claims))
+    LOST[piece] = LOST.get(piece, 0) + 1
+    if LOST[piece] == 1:
         raise KilledWorker(f"fever-{claims[0].id}", GONE, 3)
     return score_unit(template, claims, method, **options)  # the real one
 
 
-def _hopeless(template, claims, method, **options):
-    raise KilledWorker("fever-x", GONE, 3)
+def _poisoned(template, claims, method, **options):
+    """Claim 5 loses its worker every time; the others are scored."""
+    if any(c.id == 5 for c in claims):
+        raise KilledWorker("fever-x", GONE, 3)
+    return score_unit(template, claims, method, **options)
 
 
-def test_units_lost_with_their_workers_are_submitted_again(client, tiny_model_dir, monkeypatch):
-    """A unit whose workers were preempted allowed-failures times over (KilledWorker) runs
-    again, twice at most; other errors end the run."""
+def test_units_lost_with_their_workers_are_split_and_run_again(client, tiny_model_dir, monkeypatch):
+    """A task lost with its worker (KilledWorker) runs again in smaller pieces, down to
+    single rows, which get a second try: bad luck costs no row. A row lost every time is
+    recorded as an error row, and the run goes on (it used to end the run)."""
     import dask_pcm.fever.units as units_module
 
     LOST.clear()
@@ -141,14 +146,19 @@ def test_units_lost_with_their_workers_are_submitted_again(client, tiny_model_di
         model=tiny_model_dir, cluster=client, num_templates=1, claims_per_task=10, progress=False
     )
     assert len(result.predictions) == 30
-    assert sorted(LOST.values()) == [3, 3, 3]
+    assert result.predictions["error"].isna().all()
+    assert result.report["row_errors"] == 0
+    assert (1, 10) in LOST and (1, 3) in LOST and (1, 1) in LOST  # 10 -> 3 -> 1 rows
 
-    monkeypatch.setattr(units_module, "score_unit", _hopeless)
-    with pytest.raises(KilledWorker):
-        run_fever(
-            model=tiny_model_dir,
-            cluster=client,
-            num_templates=1,
-            claims_per_task=30,
-            progress=False,
-        )
+    monkeypatch.setattr(units_module, "score_unit", _poisoned)
+    result = run_fever(
+        model=tiny_model_dir, cluster=client, num_templates=1, claims_per_task=10, progress=False
+    )
+    predictions = result.predictions.sort_values("claim_id")
+    assert list(predictions["claim_id"]) == list(range(1, 31))  # every row, once
+    failed = predictions[predictions["error"].notna()]
+    assert list(failed["claim_id"]) == [5]
+    assert "its worker died each of the 2 times" in failed["error"].iloc[0]
+    assert result.report["row_errors"] == 1
+    assert result.summary["errors"].tolist() == [1]
+    assert result.summary["n"].tolist() == [29]
