@@ -120,3 +120,9 @@ def fetch_timeout() -> float | None:
     """Seconds one template copy may take in all (``pcm.template.fetch-timeout``), or None."""
     value = get("template.fetch-timeout")
     return None if value is None else _seconds(value)
+
+
+def job_start_timeout() -> float | None:
+    """Seconds a batch cluster may fail to start any worker (``pcm.jobs.start-timeout``)."""
+    value = get("jobs.start-timeout")
+    return None if value is None else _seconds(value)

@@ -18,9 +18,19 @@ from keyword arguments. dask_pcm adds what its workers need:
   arguments name no lifetime: workers retire before the batch system kills them;
 - adaptive scaling (:class:`ContextAdaptive`) that never retires every worker holding a ready
   context while context tasks wait for it;
-- a watchdog that notices jobs which left the queue while their worker is not connected
-  (deleted, preempted, or dead before their worker ever connected, dask-jobqueue #643) and
-  submits replacements, so that ``scale(n)`` keeps ``n`` workers, not ``n`` job records.
+- a watchdog (:mod:`dask_pcm.deploy.jobwatch`) that notices jobs which left the queue while
+  their worker is not connected (deleted, preempted, or dead before their worker ever
+  connected, dask-jobqueue #643) and submits replacements, so that ``scale(n)`` keeps ``n``
+  workers, not ``n`` job records;
+- an end to waiting for workers that cannot come: a job whose submission command (``qsub``,
+  ``condor_submit``) fails keeps the batch system's message (dask-jobqueue only logs it and
+  submits nothing more), and ``cluster.raise_if_stuck()`` raises
+  :class:`~dask_pcm.exceptions.BatchJobError` quoting it once no worker is connected, no job
+  is left that could bring one, and that has lasted ``pcm.jobs.start-timeout`` (60 s):
+  every submission rejected (a queue name with a typo, a resource the site does not
+  offer), or ``max_failed_starts`` jobs in a row ended before their worker connected.
+  :func:`dask_pcm.run_fever` calls it while it waits. Jobs waiting in the queue, however
+  long, are not stuck.
 
 Workers that join later build the registered contexts themselves, their templates copied
 from peers that hold them (see :mod:`dask_pcm.templates.fetch`).
@@ -28,20 +38,17 @@ from peers that hold them (see :mod:`dask_pcm.templates.fetch`).
 
 from __future__ import annotations
 
-import asyncio
-import getpass
 import logging
 import re
-import subprocess
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dask.config
 import dask_jobqueue
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
-from tornado.ioloop import PeriodicCallback
 
 from dask_pcm.deploy import KINDS, gpu, with_preload
+from dask_pcm.deploy.jobwatch import HTCondorJob, JobWatch, SGEJob
 
 logger = logging.getLogger(__name__)
 
@@ -70,172 +77,25 @@ class ContextAdaptive(Adaptive):
         return [n for n in names if n not in keep]
 
 
-class _JobWatch:
+class _ContextJobs(JobWatch):
     """Cluster mixin: adaptive scaling by :class:`ContextAdaptive` and the job watchdog."""
-
-    kind: str = ""
-    if TYPE_CHECKING:  # provided by dask_jobqueue.JobQueueCluster
-        loop: Any
-        workers: dict[str, Any]
-        worker_spec: dict[str, Any]
-        scheduler_info: dict[str, Any]
-        scale: Any
-        _correct_state: Any
-
-    #: Consecutive jobs that left the queue without their worker ever connecting, after
-    #: which no more replacements are submitted (a broken job script would loop forever).
-    max_failed_starts = 5
-
-    def __init__(self, *args: Any, watch_interval: str | float = "10s", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._ever_connected: set[str] = set()
-        self.failed_starts = 0
-        self.replaced_jobs = 0
-        interval = parse_timedelta(watch_interval) * 1000
-        self._watch = PeriodicCallback(self._watch_jobs, interval)
-        self.loop.add_callback(self._watch.start)
 
     def adapt(self, *args: Any, Adaptive: type = ContextAdaptive, **kwargs: Any) -> Any:
         return super().adapt(*args, Adaptive=Adaptive, **kwargs)  # type: ignore[misc]
 
-    async def _close(self) -> None:
-        self._watch.stop()
-        await super()._close()  # type: ignore[misc]
 
-    # -- the watchdog ----------------------------------------------------------------------
-    def _connected(self) -> set[str]:
-        names = {str(w.get("name")) for w in self.scheduler_info.get("workers", {}).values()}
-        # A job of several processes runs workers named "<job name>-<i>".
-        return {
-            job
-            for job in self.workers
-            if job in names or any(n.startswith(f"{job}-") for n in names)
-        }
-
-    async def _watch_jobs(self) -> None:
-        try:
-            await self.check_jobs()
-        except Exception:  # a watchdog must not die of one bad poll
-            logger.exception("dask_pcm job watchdog failed; trying again next period")
-
-    async def check_jobs(self) -> list[str]:
-        """Replace jobs that left the queue while their worker is not connected.
-
-        Returns the names of the jobs dropped. Runs every ``watch_interval``.
-        """
-        workers = self.workers
-        connected = self._connected()
-        self._ever_connected |= connected
-        if connected:
-            self.failed_starts = 0
-        suspects = {
-            name: job.job_id
-            for name, job in workers.items()
-            if name not in connected and getattr(job, "job_id", None)
-        }
-        queued = await asyncio.to_thread(queued_job_ids, self.kind) if suspects else set()
-        if queued is None:
-            return []
-        gone = [name for name, job_id in suspects.items() if not _in_queue(job_id, queued)]
-        if not gone:
-            await self._reopen_lost()
-            return []
-        jobs_before = len(self.worker_spec)
-        for name in gone:
-            started = name in self._ever_connected
-            self._ever_connected.discard(name)
-            self.worker_spec.pop(name, None)
-            workers.pop(name, None)
-            if not started:
-                self.failed_starts += 1
-            logger.warning(
-                "Batch job %s (%s) left the queue %s; %s",
-                suspects[name],
-                name,
-                "after its worker left" if started else "before its worker ever connected",
-                "submitting a replacement"
-                if self.failed_starts < self.max_failed_starts
-                else "not replacing it",
-            )
-        if self.failed_starts >= self.max_failed_starts:
-            logger.error(
-                "%d batch jobs in a row ended before their worker connected: not submitting "
-                "more. Read the jobs' output (log_directory=%r) and the job script "
-                "(cluster.job_script()).",
-                self.failed_starts,
-                getattr(self, "_job_kwargs", {}).get("log_directory"),
-            )
-            return gone
-        self.replaced_jobs += len(gone)
-        if getattr(self, "_adaptive", None) is None:
-            self.scale(jobs=jobs_before)
-        # Adaptive scaling sees the smaller plan at its next step and asks for more.
-        return gone
-
-    async def _reopen_lost(self) -> None:
-        """Submit jobs for specs whose job distributed dropped as lost.
-
-        A connected worker that leaves for good (its job deleted or preempted) is dropped
-        from ``cluster.workers`` after ``distributed.deploy.lost-worker-timeout``, but its
-        spec stays and nothing reopens it unless something scales: a fixed-size cluster
-        would shrink with every preemption.
-        """
-        if getattr(self, "_adaptive", None) is not None:
-            return  # adaptive scaling reopens them at its next step
-        lost = set(self.worker_spec) - set(self.workers)
-        if not lost:
-            return
-        logger.warning("Submitting %d job(s) for workers that left: %s", len(lost), sorted(lost))
-        self.replaced_jobs += len(lost)
-        await self._correct_state()
-
-
-class SGECluster(_JobWatch, dask_jobqueue.SGECluster):
+class SGECluster(_ContextJobs, dask_jobqueue.SGECluster):
     """:class:`dask_jobqueue.SGECluster` with dask_pcm's adaptive scaling and job watchdog."""
 
     kind = "sge"
+    job_cls = SGEJob
 
 
-class HTCondorCluster(_JobWatch, dask_jobqueue.HTCondorCluster):
+class HTCondorCluster(_ContextJobs, dask_jobqueue.HTCondorCluster):
     """:class:`dask_jobqueue.HTCondorCluster` with dask_pcm's adaptive scaling and watchdog."""
 
     kind = "htcondor"
-
-
-def queued_job_ids(kind: str) -> set[str] | None:
-    """Ids of this user's jobs the batch system still lists (pending, running, ending).
-
-    ``None`` when the query fails (the watchdog then waits for the next period rather than
-    replacing jobs it cannot see).
-    """
-    if kind == "sge":
-        cmd = ["qstat", "-u", getpass.getuser()]
-    elif kind == "htcondor":
-        cmd = ["condor_q", "-af", "ClusterId", "ProcId"]
-    else:
-        raise ValueError(f"unknown batch system {kind!r}; one of {KINDS}")
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("Could not list batch jobs with %s: %r", " ".join(cmd), exc)
-        return None
-    return parse_queue(kind, out)
-
-
-def parse_queue(kind: str, text: str) -> set[str]:
-    """Job ids in the output of ``qstat`` (SGE) or ``condor_q -af ClusterId ProcId``."""
-    ids = set()
-    for line in text.splitlines():
-        fields = line.split()
-        if kind == "sge" and fields and fields[0].isdigit():
-            ids.add(fields[0])
-        elif kind == "htcondor" and len(fields) == 2 and all(f.isdigit() for f in fields):
-            ids.add(f"{fields[0]}.{fields[1]}")
-    return ids
-
-
-def _in_queue(job_id: str, queued: set[str]) -> bool:
-    return job_id in queued or job_id.split(".")[0] in queued
+    job_cls = HTCondorJob
 
 
 def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Batch-system clusters without a batch system: job scripts, HTCondor submit descriptions
-checked by HTCondor's own parser, the job watchdog, adaptive scaling's keep rule, and the
-graceful retirement of a worker warned of its preemption by a signal."""
+checked by HTCondor's own parser, the job watchdog and its end to the wait for workers that
+cannot come, adaptive scaling's keep rule, and the graceful retirement of a worker warned of
+its preemption by a signal."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from distributed import Client
 from distributed.utils import sync
 
 import dask_pcm
-from dask_pcm.deploy import batch, gpu
-from dask_pcm.deploy.batch import batch_cluster, job_options, parse_queue, walltime_seconds
+from dask_pcm.deploy import batch, gpu, jobwatch
+from dask_pcm.deploy.batch import batch_cluster, job_options, walltime_seconds
+from dask_pcm.deploy.jobwatch import parse_queue
 from dask_pcm.testing.tasks import noted_square
 from tests.conftest import assert_handed_back, load_the_victim, wait_gone
 
@@ -97,7 +99,7 @@ def test_queue_listings_are_parsed():
     assert parse_queue("sge", "") == set()
 
 
-class _FakeSGEJob(batch.dask_jobqueue.sge.SGEJob):
+class _FakeSGEJob(jobwatch.SGEJob):
     """An SGE job that is never submitted: qsub and qdel are not called."""
 
     submitted: list[str] = []
@@ -112,14 +114,20 @@ class _FakeSGEJob(batch.dask_jobqueue.sge.SGEJob):
         pass
 
 
-def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(monkeypatch):
+def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
+    monkeypatch, tmp_path: Path
+):
     queue: set[str] = set()
-    monkeypatch.setattr(batch, "queued_job_ids", lambda kind: set(queue))
+    monkeypatch.setattr(jobwatch, "queued_job_ids", lambda kind: set(queue))
     _FakeSGEJob.submitted = []
-    with batch.SGECluster(
-        job_cls=_FakeSGEJob, watch_interval="1h", cores=1, memory="1GB",
-        scheduler_options={"dashboard_address": ":0"},
-    ) as cluster:  # fmt: skip
+    logs = tmp_path / "logs"
+    with (
+        dask.config.set({"pcm.jobs.start-timeout": 0}),  # stuck at once, if ever
+        batch.SGECluster(
+            job_cls=_FakeSGEJob, watch_interval="1h", cores=1, memory="1GB",
+            log_directory=str(logs), scheduler_options={"dashboard_address": ":0"},
+        ) as cluster,
+    ):  # fmt: skip
         cluster.scale(2)
         deadline = time.monotonic() + 30
         while len(_FakeSGEJob.submitted) < 2:
@@ -127,6 +135,7 @@ def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
             time.sleep(0.05)
         queue.update(_FakeSGEJob.submitted)
         assert sync(cluster.loop, cluster.check_jobs) == []  # queued: nothing to do
+        cluster.raise_if_stuck()  # jobs waiting in the queue are never stuck
 
         queue.discard(_FakeSGEJob.submitted[0])  # died before its worker connected
         gone = sync(cluster.loop, cluster.check_jobs)
@@ -136,12 +145,63 @@ def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
             time.sleep(0.05)
         assert len(cluster.worker_spec) == 2
 
+        cluster.raise_if_stuck()  # one failed start, and its replacement queued
+        for job_id in range(1000, 1020):  # what Grid Engine keeps of each job's stderr
+            (logs / f"dask-worker.e{job_id}").write_text(f"job {job_id}: dask-worker: not found\n")
+
         queue.clear()  # every job dies at start, again and again: stop after five in a row
         for _ in range(10):
             sync(cluster.loop, cluster.check_jobs)
             time.sleep(0.2)
         assert cluster.failed_starts >= cluster.max_failed_starts
         assert len(_FakeSGEJob.submitted) <= 2 + cluster.max_failed_starts
+        with pytest.raises(dask_pcm.BatchJobError, match="batch jobs in a row left the queue") as e:
+            cluster.raise_if_stuck()
+        last = cluster._last_failed_start
+        assert f"job {last}: dask-worker: not found" in str(e.value)
+        assert e.value.output.endswith(f"job {last}: dask-worker: not found")
+        assert "cluster.job_script()" in str(e.value) and str(logs) in str(e.value)
+
+
+class _RejectedJob(jobwatch.SGEJob):
+    """An SGE job whose submission command fails as qsub does for a queue that is not there
+    (the real command line and error path of dask-jobqueue, without Grid Engine)."""
+
+    submit_command = "sh -c 'echo Unable to run job: unknown queue nosuch.q >&2; exit 1'"
+
+
+def test_rejected_submissions_end_the_wait_after_the_start_timeout():
+    with (
+        dask.config.set({"pcm.jobs.start-timeout": "1s"}),
+        batch.SGECluster(
+            job_cls=_RejectedJob, watch_interval="0.1s", cores=1, memory="1GB",
+            scheduler_options={"dashboard_address": ":0"},
+        ) as cluster,
+    ):  # fmt: skip
+        cluster.raise_if_stuck()  # nothing asked for: nothing stuck
+        cluster.scale(2)
+        start = time.monotonic()
+        while cluster._stuck is None:  # both submissions failed, the watchdog has seen it
+            assert time.monotonic() - start < 10, "the watchdog never noticed"
+            time.sleep(0.02)
+        cluster.raise_if_stuck()  # not yet: under the start timeout
+        while True:
+            try:
+                cluster.raise_if_stuck()
+            except dask_pcm.BatchJobError as exc:
+                error = exc
+                break
+            time.sleep(0.05)
+        waited = time.monotonic() - start
+        assert 1 <= waited < 3, waited
+        assert error.output == "Unable to run job: unknown queue nosuch.q"
+        message = str(error)
+        assert "Grid Engine rejected 2 job submission(s)" in message
+        assert "`sh -c 'echo Unable" in message  # the submit command
+        assert "cluster.job_script()" in message and "log_directory=None" in message
+        assert all(job.job_id is None for job in cluster.workers.values())  # none submitted
+        with dask.config.set({"pcm.jobs.start-timeout": None}):
+            cluster.raise_if_stuck()  # null: wait for ever
 
 
 def test_adaptive_keeps_the_last_ready_worker_of_a_context_tasks_wait_for():

@@ -1,5 +1,6 @@
 """On a real Son of Grid Engine (``sudo bash ci/sge/setup.sh`` starts one on this machine):
-a FEVER run while worker jobs are preempted, and a worker warned by ``qdel`` (``-notify``).
+a FEVER run while worker jobs are preempted, a worker warned by ``qdel`` (``-notify``), and
+jobs that ``qsub`` rejects, which end a run with qsub's message instead of a wait for ever.
 
 Without Grid Engine these tests skip, unless ``PCM_REQUIRE_SGE=1`` (as in CI), where its
 absence is a failure.
@@ -236,3 +237,72 @@ def test_a_job_that_dies_before_its_worker_connects_is_replaced(tmp_path):
         _wait(lambda: cluster.failed_starts == 0, 10, "the watchdog to see the worker")
         assert cluster.replaced_jobs >= 1
         assert len(cluster.worker_spec) == 1
+
+
+def _stuck_error(cluster) -> dask_pcm.BatchJobError | None:
+    try:
+        cluster.raise_if_stuck()
+    except dask_pcm.BatchJobError as exc:
+        return exc
+    return None
+
+
+QSUB_SAID = 'Unable to run job: Job was rejected because job requests unknown queue "nosuch.q"'
+
+
+def test_a_job_qsub_rejects_ends_the_wait_with_qsubs_message(tmp_path):
+    """A queue name with a typo: qsub fails once, and dask-jobqueue only logs it."""
+    with (
+        dask.config.set({"pcm.jobs.start-timeout": "2s"}),
+        _sge_cluster(tmp_path, workers=1, queue="nosuch.q") as cluster,
+    ):
+        start = time.monotonic()
+        error = _wait(lambda: _stuck_error(cluster), 30, "raise_if_stuck to raise")
+        waited = time.monotonic() - start
+    assert 2 <= waited < 8, waited  # the start timeout, plus at most a watch interval or so
+    assert QSUB_SAID in error.output
+    message = str(error)
+    assert QSUB_SAID in message and "`qsub <job script>` said" in message
+    assert "cluster.job_script()" in message and str(tmp_path / "logs") in message
+
+
+def test_a_job_waiting_in_the_queue_is_not_stuck(tmp_path):
+    """A held job (``qsub -h``) waits in the queue as a job on a busy cluster does."""
+    with (
+        dask.config.set({"pcm.jobs.start-timeout": "1s"}),
+        _sge_cluster(tmp_path, workers=1, job_extra_directives=["-h"]) as cluster,
+    ):
+        job_id = _wait(
+            lambda: next((job.job_id for job in cluster.workers.values() if job.job_id), None),
+            30,
+            "the job to be submitted",
+        )
+        end = time.monotonic() + 5  # five start timeouts
+        while time.monotonic() < end:
+            cluster.raise_if_stuck()
+            time.sleep(0.2)
+        queue = subprocess.run(["qstat"], capture_output=True, text=True, check=True).stdout
+        state = next(line.split()[4] for line in queue.splitlines() if line.split()[:1] == [job_id])
+        assert state == "hqw", queue  # held and waiting all along
+        assert not cluster.scheduler_info["workers"] and cluster.failed_starts == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="run_fever's prompt check before the dispatch (dask_pcm/fever/fitting.py, "
+    "refuse_unfit) waits on .result() without cluster.raise_if_stuck(): it still hangs there",
+)
+def test_run_fever_on_jobs_qsub_rejects_raises_instead_of_waiting(tmp_path, tiny_model_dir):
+    with (
+        dask.config.set({"pcm.jobs.start-timeout": "3s"}),
+        _sge_cluster(tmp_path, workers=1, queue="nosuch.q") as cluster,
+    ):
+        start = time.monotonic()
+        with pytest.raises(dask_pcm.BatchJobError, match="unknown queue") as error:
+            dask_pcm.run_fever(
+                cluster=cluster, model=tiny_model_dir, limit=6, num_templates=1, progress=False
+            )
+        waited = time.monotonic() - start
+    assert waited < 45, waited
+    assert QSUB_SAID in error.value.output
