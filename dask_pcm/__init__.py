@@ -29,8 +29,8 @@ from dask_pcm.client import (
     unregister,
 )
 from dask_pcm.context import Context, causal_lm
-from dask_pcm.deploy import batch_cluster
 from dask_pcm.deploy.local import Nanny, local_cluster
+from dask_pcm.deploy.start import batch_cluster
 from dask_pcm.diagnosis import WorkerReport, doctor
 from dask_pcm.exceptions import (
     BatchJobError,

@@ -18,19 +18,6 @@ SCHEDULER_PRELOAD = "dask_pcm.scheduler.preload"
 KINDS = ("sge", "htcondor")
 
 
-def batch_cluster(kind: str = "sge", **kwargs: Any) -> Any:
-    """Start a batch-system cluster: :func:`dask_pcm.deploy.batch.batch_cluster`, which
-    this imports (with dask-jobqueue) only when called.
-
-    Examples
-    --------
-    >>> cluster = dask_pcm.batch_cluster("sge", minimum=1, maximum=8)   # doctest: +SKIP
-    """
-    from dask_pcm.deploy import batch
-
-    return batch.batch_cluster(kind, **kwargs)
-
-
 def with_preload(preload: Any) -> list[str]:
     """``preload`` (a scheduler's ``preload`` argument: ``None``, a name or a list) with
     :data:`SCHEDULER_PRELOAD` added; ``None`` stands for ``distributed.scheduler.preload``

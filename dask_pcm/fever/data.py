@@ -298,7 +298,9 @@ def _parse_line(raw: bytes, number: int, first_line_of: dict[int | str, int]) ->
         raise _LineError(f"claim must be a string, not {type(claim).__name__}")
     for key, value in (("claim", claim), ("id", id_)):
         if isinstance(value, str):
-            _check_unicode(key, value)
+            problem = unicode_problem(value)
+            if problem:
+                raise _LineError(f"{key} is {problem}")
     if not claim.strip():
         raise _LineError("empty claim")
     if id_ in first_line_of:
@@ -306,16 +308,23 @@ def _parse_line(raw: bytes, number: int, first_line_of: dict[int | str, int]) ->
     return Claim(id_, claim.strip(), label)
 
 
-def _check_unicode(key: str, text: str) -> None:
-    """Refuse lone surrogates (a JSON ``\\ud800`` escape): they parse, but the tokenizer and
-    the Parquet writer cannot encode them, and would fail late with no file or line."""
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode, or ``None``: a lone surrogate (a JSON ``\\ud800``
+    escape) parses, but the tokenizer and the Parquet writer cannot encode it, and would fail
+    late with no file or line.
+
+    Example
+    -------
+    >>> print(unicode_problem("ab\\ud800"))
+    not valid Unicode (lone surrogate \\ud800 at character 3)
+    >>> unicode_problem("ok") is None
+    True
+    """
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise _LineError(
-            f"{key} is not valid Unicode (lone surrogate \\u{ord(text[e.start]):04x} "
-            f"at character {e.start + 1})"
-        ) from None
+        return f"not valid Unicode (lone surrogate \\u{ord(text[e.start]):04x} at character {e.start + 1})"
+    return None
 
 
 # Invented for dask_pcm: plain facts, plain falsehoods and unverifiable anecdotes.

@@ -24,10 +24,12 @@ What a long run survives:
   and not its neighbours. Tasks ask the scheduler to give up on them at the first worker that
   dies running them (:data:`~dask_pcm.protocol.LOSSES_ANNOTATION`); the dispatch then runs
   the lost task's units apart, a lost unit in up to four pieces, and so on down to single
-  rows. A single row lost with its worker twice becomes an error row
-  (``error_rows(unit, message)``), and the run goes on. Preempted workers cost a few
-  smaller tasks, never a row: an innocent row is retried once alone.
-- **Time without results.** Every ``_TICK`` seconds, whether or not a task returned, the
+  rows. A worker that dies takes every task queued on it along, so a loss names no culprit
+  until one row runs alone: a lost single row goes into *quarantine*, where it runs with
+  nothing else of the run in flight (the others drain first). A row lost twice in
+  quarantine becomes an error row (``error_rows(unit, message)``), and the run goes on.
+  Preempted workers cost a few smaller tasks and a short drain, never a row.
+- **Time without results.** Every ``TICK`` seconds, whether or not a task returned, the
   dispatch calls ``on_tick`` (the output store writes its open segment when due) and, where
   the cluster has one, its ``raise_if_stuck()`` (a batch cluster whose jobs are rejected
   fails the run with the batch system's message instead of waiting forever).
@@ -48,13 +50,14 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed import Client, Future, as_completed
+from distributed.comm.core import CommClosedError
 from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
 from dask_pcm import config, protocol
-from dask_pcm.exceptions import ClusterLostError
 from dask_pcm.fever import units as fever_units
 from dask_pcm.fever.units import CONTEXT, Unit
+from dask_pcm.fever.watch import TICK, check_cluster, scheduler_lost
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -68,8 +71,6 @@ MAX_UNITS_PER_TASK = 64
 MIN_IN_FLIGHT = 64
 # Seconds between asking the scheduler how many worker threads there are.
 _THREADS_EVERY = 2.0
-# Seconds between the loop's checks when no task returns (flush, stuck jobs, scheduler).
-_TICK = 1.0
 # Pieces a lost piece of several rows is split into.
 _SPLIT = 4
 # Times a single row may be lost with its worker before it is recorded as an error.
@@ -82,7 +83,7 @@ class _Piece:
 
     unit: Unit
     start: int = 0
-    losses: int = 0  # times lost with its worker as a single row
+    losses: int = 0  # times lost with its worker as a single row in quarantine
 
     @property
     def rows(self) -> int:
@@ -92,6 +93,7 @@ class _Piece:
 @dataclass
 class _Task:
     pieces: list[_Piece]
+    alone: bool = False  # run from quarantine, with nothing else of the run in flight
 
 
 class Dispatch:
@@ -151,7 +153,8 @@ class Dispatch:
         self._threads = 1
         self._threads_at = -_THREADS_EVERY
         self._running: dict[Future, _Task] = {}
-        self._retry: deque[_Piece] = deque()  # pieces of lost tasks, each run alone
+        self._retry: deque[_Piece] = deque()  # pieces of lost tasks, each a task of its own
+        self._quarantine: deque[_Piece] = deque()  # lost single rows, run one at a time
         self._parts: dict[str, list[tuple[int, pa.Table]]] = {}
         self._totals = {u.name: len(u.claims) for u in todo}  # rows of each unit
         self._ticked = time.monotonic()
@@ -186,6 +189,11 @@ class Dispatch:
 
     # -- submitting -------------------------------------------------------------------------
     def _next_tasks(self) -> list[_Task]:
+        if self._quarantine:
+            # Nothing else in flight, so that a worker that dies now died of this row.
+            if self._running:
+                return []
+            return [_Task([self._quarantine.popleft()], alone=True)]
         tasks: list[_Task] = []
         while self._retry and len(self._running) + len(tasks) < self.in_flight():
             tasks.append(_Task([self._retry.popleft()]))
@@ -226,13 +234,16 @@ class Dispatch:
         try:
             queue = as_completed(self._submit(self._next_tasks()))
             while not queue.is_empty():
-                batch = _next_batch(queue, _TICK)
+                batch = _next_batch(queue, TICK)
                 if batch:
                     self._collect(batch, queue)
                     queue.update(self._submit(self._next_tasks()))
-                if time.monotonic() - self._ticked >= _TICK:
+                if time.monotonic() - self._ticked >= TICK:
                     self._tick()
             self.on_tick()
+        except CommClosedError as exc:
+            self._running.clear()
+            raise scheduler_lost(self.client, str(exc)) from exc
         except BaseException:
             if self.client.status == "running":
                 self.client.cancel(list(self._running))
@@ -242,19 +253,7 @@ class Dispatch:
     def _tick(self) -> None:
         self._ticked = time.monotonic()
         self.on_tick()
-        self._check_scheduler()
-        stuck = getattr(self.client.cluster, "raise_if_stuck", None)
-        if stuck is not None:
-            stuck()
-
-    def _check_scheduler(self) -> None:
-        if self.client.status not in ("running", "newly-created"):
-            address = getattr(self.client.scheduler, "address", None) or "unknown"
-            raise ClusterLostError(
-                f"lost the connection to the scheduler at {address} (client {self.client.status}): "
-                "the scheduler died, or the network to it dropped, with "
-                f"{sum(len(t.pieces) for t in self._running.values())} task(s) unfinished"
-            )
+        check_cluster(self.client, len(self._running))
 
     def _collect(self, batch: list[Future], queue: as_completed) -> None:
         finished = [f for f in batch if f.status == "finished"]
@@ -290,8 +289,13 @@ class Dispatch:
     def _failed(self, future: Future) -> None:
         """Split a task lost with its workers; raise anything else."""
         task = self._running.pop(future)
+        if future.status == "lost":
+            # Finished, but its result went with a worker before it was gathered.
+            self.client.cancel([future])
+            self._retry.extend(task.pieces)
+            return
         if future.status != "error":
-            self._check_scheduler()
+            check_cluster(self.client, len(self._running))
             raise RuntimeError(
                 f"task {future.key} ended as {future.status!r}, not finished: cancelled by "
                 "another client, or its cluster closed"
@@ -327,8 +331,11 @@ class Dispatch:
                 part = dataclasses.replace(piece.unit, claims=claims[offset : offset + size])
                 self._retry.append(_Piece(part, piece.start + offset))
             return
+        if not task.alone:
+            self._quarantine.append(piece)  # lost along with others: no culprit yet
+            return
         if piece.losses + 1 < _ROW_LOSSES:
-            self._retry.append(dataclasses.replace(piece, losses=piece.losses + 1))
+            self._quarantine.append(dataclasses.replace(piece, losses=piece.losses + 1))
             return
         last = getattr(getattr(error, "last_worker", None), "address", None) or "?"
         message = (

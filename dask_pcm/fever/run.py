@@ -20,7 +20,6 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from distributed import Client
@@ -28,83 +27,24 @@ from distributed import Client
 from dask_pcm import client as pcm
 from dask_pcm import config
 from dask_pcm.context import causal_lm
-from dask_pcm.deploy import KINDS, batch_cluster
+from dask_pcm.deploy import KINDS
 from dask_pcm.deploy.local import local_cluster
-from dask_pcm.exceptions import PromptTooLongError
-from dask_pcm.fever import units as fever_units
+from dask_pcm.deploy.start import batch_cluster
 from dask_pcm.fever.data import LABELS, ClaimSet, demo_claims, load_claims, sample_claims
 from dask_pcm.fever.dispatch import Dispatch
+from dask_pcm.fever.fitting import RowErrors, refuse_unfit
+from dask_pcm.fever.result import FeverResult, in_order, summarize, to_pandas
 from dask_pcm.fever.scoring import check_method
-from dask_pcm.fever.store import OutputStore, read_predictions
+from dask_pcm.fever.segments import read_predictions
+from dask_pcm.fever.store import OutputStore
 from dask_pcm.fever.templates import PromptTemplate, get_templates
 from dask_pcm.fever.units import CONTEXT, Unit, make_units, provenance
 from dask_pcm.interrupts import terminate_as_interrupt
 
 if TYPE_CHECKING:
-    import pandas as pd
     import pyarrow as pa
 
 logger = logging.getLogger(__name__)
-
-
-class FeverResult:
-    """What :func:`run_fever` returns.
-
-    Attributes
-    ----------
-    summary
-        One row per template, best first: ``template, accuracy, n, macro_f1``, the recall of
-        each label (``recall_SUPPORTS``...), ``unparseable``, then ``accuracy_ci_low`` and
-        ``accuracy_ci_high`` (Wilson 95 %), ``calibrated_accuracy`` and
-        ``calibrated_macro_f1`` (label bias removed), ``p_vs_best`` (exact McNemar against
-        the first row); see :mod:`dask_pcm.fever.ranking`.
-    predictions
-        One row per claim and template: ``claim_id, template, label, predicted``, the
-        scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
-        ``model_digest`` (the model's content digest,
-        :func:`~dask_pcm.fever.units.model_digest`), by template in the run's order. With
-        ``output``, read from that folder when first used (a run of millions of rows
-        keeps none of them in memory until asked).
-    report
-        ``wall_seconds``, ``units`` (total, computed now, reused from ``output``), ``tasks``
-        (submitted), ``files`` (segments in ``output``), ``claims``, ``skipped_lines`` and
-        ``workers`` (per worker: context loads, load seconds and the context tasks it ran in
-        this run; empty when nothing was left to compute).
-    output
-        The output folder, or ``None``.
-    """
-
-    def __init__(
-        self,
-        summary: pd.DataFrame,
-        predictions: pd.DataFrame | None,
-        report: dict[str, Any] | None = None,
-        output: str | os.PathLike[str] | None = None,
-        templates: list[str] | None = None,
-    ) -> None:
-        if predictions is None and output is None:
-            raise ValueError("FeverResult needs predictions or an output folder")
-        self.summary = summary
-        self.report = report or {}
-        self.output = Path(output) if output is not None else None
-        self._predictions = predictions
-        self._templates = templates
-
-    @property
-    def predictions(self) -> pd.DataFrame:
-        if self._predictions is None:
-            assert self.output is not None
-            self._predictions = _in_order(
-                read_predictions(self.output, self._templates), self._templates
-            )
-        return self._predictions
-
-    def __repr__(self) -> str:
-        best = self.summary.iloc[0] if len(self.summary) else None
-        lead = (
-            f"best {best['template']!r} ({best['accuracy']:.3f})" if best is not None else "empty"
-        )
-        return f"FeverResult({len(self.summary)} templates, {lead}, output={self.output})"
 
 
 #: Most worker jobs of a batch cluster that run_fever starts itself (``workers`` unset).
@@ -285,24 +225,9 @@ def run_fever(
         predictions = None
         summary = summarize(read_predictions(output, names, columns))
     else:
-        predictions = _in_order(_to_pandas(tables), names)
+        predictions = in_order(to_pandas(tables), names)
         summary = summarize(predictions)
     return FeverResult(summary, predictions, report, output=output, templates=names)
-
-
-def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
-    """One row per template, best first: accuracy, n, macro-F1, recall per label, unparseable,
-    the accuracy's 95 % interval, calibrated accuracy and macro-F1, and the p-value against
-    the best template (:func:`dask_pcm.fever.ranking.rank`)."""
-    from dask_pcm.fever.ranking import rank  # pandas, only when a summary is made
-
-    if "error" not in predictions:
-        return rank(predictions).assign(errors=0)
-    # Rows recorded as errors have no prediction: they count apart, not as wrong answers.
-    failed = predictions["error"].notna()
-    errors = predictions[failed].groupby("template").size()
-    table = rank(predictions[~failed])
-    return table.assign(errors=table["template"].map(errors).fillna(0).astype(int))
 
 
 def _client(cluster: Any, workers: int | None) -> tuple[Client, bool]:
@@ -353,7 +278,15 @@ def _compute(
     bar = _progress_bar(len(job.todo), progress)
     try:
         pcm.register(client, context, level=level)
-        check_prompts(client, job)
+        refuse_unfit(
+            client,
+            job.templates,
+            job.claims,
+            job.options["method"],
+            job.errors,
+            job.options["truncate"],
+            job.model,
+        )
         before = _tasks_by_worker(client)
         dispatch = Dispatch(
             client, job.todo, job.options, job.finished, bar.update, on_tick=job.tick
@@ -380,87 +313,6 @@ def _compute(
     return rows, dispatch.tasks
 
 
-def check_prompts(client: Client, job: _Job) -> None:
-    """Before any unit: refuse templates too long for the model and, with errors "raise",
-    claims whose prompts cannot fit (one small task on a worker with the model)."""
-    method = job.options["method"]
-    found = pcm.submit(
-        client,
-        fever_units.check_prompts,
-        job.templates,
-        [c.claim for c in job.claims.claims],
-        method,
-        context=CONTEXT,
-        pure=False,
-    ).result()
-    limit = found["limit"]
-    for name, tokens in found["templates"].items():
-        if tokens >= limit:
-            raise PromptTooLongError(
-                f"template {name!r} is {tokens} tokens without its claim; model {job.model} "
-                f"takes prompts of at most {limit} tokens"
-                f"{' with the answer' if method == 'generate' else ''} on these workers: "
-                "shorten the template or use a model with a longer context"
-            )
-    too_long = found["too_long"]
-    if not too_long or job.errors == "skip" or job.options.get("truncate"):
-        if too_long:
-            logger.warning(
-                "%d prompt(s) cannot fit the model; %s: %s",
-                len(too_long),
-                "their claims are cut to fit"
-                if job.options.get("truncate")
-                else "recorded as errors",
-                "; ".join(_too_long(job.claims, entry) for entry in too_long[:3]),
-            )
-        return
-    shown = "\n  ".join(_too_long(job.claims, entry) for entry in too_long[:5])
-    more = f"\n  (and {len(too_long) - 5} more)" if len(too_long) > 5 else ""
-    raise PromptTooLongError(
-        f"{len(too_long)} prompt(s) cannot fit the model, nothing was scored:\n  {shown}{more}\n"
-        "errors='skip' (--errors skip) records them as errors and scores the rest; "
-        "truncate=True (--truncate) cuts the claims to fit."
-    )
-
-
-def _too_long(claims: ClaimSet, entry: Any) -> str:
-    index, template, _tokens, why = entry
-    return f"{claims.where(index)}: under template {template!r}: {why}"
-
-
-class RowErrors:
-    """Counts the rows recorded as errors (and truncated) as units finish, and keeps the
-    first few, named by file and line."""
-
-    def __init__(self, claims: ClaimSet, keep: int = 5) -> None:
-        self.claims = claims
-        self.count = 0
-        self.truncated = 0
-        self.examples: list[str] = []
-        self._keep = keep
-        self._index: dict[Any, int] | None = None
-
-    def add(self, table: pa.Table) -> None:
-        names = table.column_names
-        if "truncated_tokens" in names:
-            self.truncated += sum(1 for t in table.column("truncated_tokens").to_pylist() if t)
-        if "error" not in names or table.column("error").null_count == table.num_rows:
-            return
-        ids = table.column("claim_id").to_pylist()
-        templates = table.column("template").to_pylist()
-        for claim_id, template, error in zip(
-            ids, templates, table.column("error").to_pylist(), strict=True
-        ):
-            if error is None:
-                continue
-            self.count += 1
-            if len(self.examples) < self._keep:
-                if self._index is None:
-                    self._index = {c.id: i for i, c in enumerate(self.claims.claims)}
-                where = self.claims.where(self._index.get(claim_id, -1))
-                self.examples.append(f"{where} under template {template!r}: {error}")
-
-
 def _tasks_by_worker(client: Client) -> dict[str, int]:
     table = pcm.status(client, [CONTEXT])
     return {r.worker: int(r.tasks) for r in table.itertuples()}
@@ -470,24 +322,6 @@ def _with_digest(table: pa.Table, digest: str) -> pa.Table:
     import pyarrow as pa
 
     return table.append_column("model_digest", pa.array([digest] * table.num_rows, pa.string()))
-
-
-def _to_pandas(tables: list[pa.Table]) -> pd.DataFrame:
-    import pandas as pd
-    import pyarrow as pa
-
-    if not tables:
-        return pd.DataFrame(columns=["claim_id", "template", "label", "predicted"])
-    return pa.concat_tables(tables, promote_options="default").to_pandas()
-
-
-def _in_order(predictions: pd.DataFrame, templates: list[str] | None) -> pd.DataFrame:
-    """``predictions`` by template in the run's order (rows of one template as they came)."""
-    if not templates or predictions.empty:
-        return predictions.reset_index(drop=True)
-    position = {name: i for i, name in enumerate(templates)}
-    order = predictions["template"].map(position)
-    return predictions.iloc[order.argsort(kind="stable")].reset_index(drop=True)
 
 
 class _NoBar:

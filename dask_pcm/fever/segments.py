@@ -17,7 +17,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dask_pcm.exceptions import OutputFolderError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +152,36 @@ def reconcile(root: Path) -> tuple[dict[str, Segment], bool]:
 def index_text(segments: Iterable[Segment]) -> str:
     """The whole index for ``segments``, one line each."""
     return "".join(json.dumps(s.entry()) + "\n" for s in segments)
+
+
+def read_predictions(
+    root: str | os.PathLike[str],
+    templates: Iterable[str] | None = None,
+    columns: list[str] | None = None,
+) -> pd.DataFrame:
+    """The rows of the output folder ``root`` (of ``templates`` only, when given), with
+    ``columns`` (default all), in the order they were written."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    if not Path(root).is_dir():
+        raise OutputFolderError(f"output folder {root} does not exist (any more)")
+    paths = sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
+    if not paths:
+        return pd.DataFrame(columns=columns)
+    # Segments of one folder may differ in their columns (an ``error`` column appears with
+    # the first row recorded as an error; folders written before it have none): read them
+    # under their union, a missing column as nulls.
+    schema = pa.unify_schemas(
+        [pq.read_schema(p) for p in paths], promote_options="permissive"
+    ).remove_metadata()
+    dataset = ds.dataset(paths, format="parquet", schema=schema)
+    wanted = None if templates is None else ds.field("template").isin(list(templates))
+    present = None if columns is None else [c for c in columns if c in schema.names]
+    table = dataset.to_table(columns=present, filter=wanted).to_pandas()
+    for name in columns or []:
+        if name not in table:
+            table[name] = None
+    return table if columns is None else table[columns]

@@ -47,15 +47,14 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config, locks
 from dask_pcm.exceptions import OutputFolderError
+from dask_pcm.fever.provenance import differences
 from dask_pcm.fever.segments import (
     INDEX,
-    PATTERN,
     UNITS_KEY,
     Segment,
     index_text,
@@ -64,9 +63,9 @@ from dask_pcm.fever.segments import (
     segment_name,
     segment_number,
 )
+from dask_pcm.fever.segments import read_predictions as read_predictions  # where it was
 
 if TYPE_CHECKING:
-    import pandas as pd
     import pyarrow as pa
 
 logger = logging.getLogger(__name__)
@@ -78,8 +77,6 @@ LOCK = ".dask-pcm-run.lock"
 TEMPORARY = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")
 # How many of a foreign folder's names an error quotes.
 _QUOTED_NAMES = 5
-# What must match for a folder to be resumed (``templates`` is compared per template).
-COMPARED = ("model_digest", "loader", "method", "claims_per_task", "claims")
 
 
 class OutputStore:
@@ -140,7 +137,7 @@ class OutputStore:
                 f"output {root} is a file; give a folder name (e.g. preds.parquet)"
             )
         # Before the lock file is created: a folder that is not ours gets nothing added.
-        self._refuse_foreign()
+        refuse_foreign(self.root)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -154,9 +151,9 @@ class OutputStore:
                 "finish, or give another folder"
             ) from None
         except OSError as exc:
-            raise self._write_failed(root / LOCK, exc) from exc
+            raise write_failed(root, root / LOCK, exc) from exc
         try:
-            self._remove_temporary()
+            remove_temporary(self.root)
             self._check_provenance()
             self._load_segments()
         except BaseException:
@@ -173,36 +170,6 @@ class OutputStore:
             locks.unlock(self._lock)
             self._lock = None
 
-    def _refuse_foreign(self) -> None:
-        """Refuse a folder that is not empty and holds no manifest: not written by dask_pcm.
-
-        A run killed between taking the lock and writing the manifest leaves only the lock
-        and temporary files; that folder is ours."""
-        try:
-            names = sorted(os.listdir(self.root))
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise OutputFolderError(f"output folder {self.root} cannot be listed: {exc}") from exc
-        if MANIFEST in names:
-            return
-        foreign = [n for n in names if n != LOCK and not TEMPORARY.fullmatch(n)]
-        if foreign:
-            more = len(foreign) - _QUOTED_NAMES
-            raise OutputFolderError(
-                f"output folder {self.root} was not written by dask_pcm (no {MANIFEST}) and "
-                f"holds {len(foreign)} file(s): {', '.join(foreign[:_QUOTED_NAMES])}"
-                + (f" and {more} more" if more > 0 else "")
-                + "; give an empty or new folder"
-            )
-
-    def _remove_temporary(self) -> None:
-        # We hold the lock: our temporary files here belong to runs that died.
-        for stale in self.root.glob(".*.tmp"):
-            if TEMPORARY.fullmatch(stale.name):
-                stale.unlink(missing_ok=True)
-                logger.info("Removed %s, left by a run that did not finish", stale)
-
     def _check_provenance(self) -> None:
         manifest = self.root / MANIFEST
         new = self.provenance
@@ -214,11 +181,11 @@ class OutputStore:
                     f"output folder {self.root}: {MANIFEST} cannot be read ({exc}); delete "
                     f"the folder to start over"
                 ) from exc
-            differences = _differences(old, new)
-            if differences:
+            changed = differences(old, new)
+            if changed:
                 raise OutputFolderError(
                     f"output folder {self.root} holds predictions of another run: "
-                    + "; ".join(differences)
+                    + "; ".join(changed)
                     + f". Give another folder, or delete {self.root} to start over."
                 )
             # Templates of earlier runs stay listed: their parts are still in the folder.
@@ -339,7 +306,7 @@ class OutputStore:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise self._write_failed(path, exc) from exc
+            raise write_failed(self.root, path, exc) from exc
 
     def _write_atomically(self, path: Path, data: bytes) -> None:
         if path.parent != self.root:
@@ -354,39 +321,9 @@ class OutputStore:
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
             if isinstance(exc, OSError):
-                raise self._write_failed(path, exc) from exc
+                raise write_failed(self.root, path, exc) from exc
             raise
         _fsync_directory(self.root)
-
-    def _write_failed(self, path: Path, exc: OSError) -> OutputFolderError:
-        """The error for a write of ``path`` that failed: what failed, and how to go on."""
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
-        return OutputFolderError(
-            f"output folder {self.root}: writing {path.name} failed: {reason}. "
-            + ("Free space" if full else "Fix that")
-            + ", then run the same command again: finished units already written are kept"
-        )
-
-
-def read_predictions(
-    root: str | os.PathLike[str],
-    templates: Iterable[str] | None = None,
-    columns: list[str] | None = None,
-) -> pd.DataFrame:
-    """The rows of the output folder ``root`` (of ``templates`` only, when given), with
-    ``columns`` (default all), in the order they were written."""
-    import pandas as pd
-    import pyarrow.dataset as ds
-
-    if not Path(root).is_dir():
-        raise OutputFolderError(f"output folder {root} does not exist (any more)")
-    paths = sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
-    if not paths:
-        return pd.DataFrame(columns=columns)
-    dataset = ds.dataset(paths, format="parquet")
-    wanted = None if templates is None else ds.field("template").isin(list(templates))
-    return dataset.to_table(columns=columns, filter=wanted).to_pandas()
 
 
 def _fsync_directory(path: Path) -> None:
@@ -403,30 +340,44 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return text if len(text) <= 60 else text[:57] + "..."
+def refuse_foreign(root: Path) -> None:
+    """Refuse a folder that is not empty and holds no manifest: not written by dask_pcm.
+
+    A run killed between taking the lock and writing the manifest leaves only the lock
+    and temporary files; that folder is ours."""
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise OutputFolderError(f"output folder {root} cannot be listed: {exc}") from exc
+    if MANIFEST in names:
+        return
+    foreign = [n for n in names if n != LOCK and not TEMPORARY.fullmatch(n)]
+    if foreign:
+        more = len(foreign) - _QUOTED_NAMES
+        raise OutputFolderError(
+            f"output folder {root} was not written by dask_pcm (no {MANIFEST}) and "
+            f"holds {len(foreign)} file(s): {', '.join(foreign[:_QUOTED_NAMES])}"
+            + (f" and {more} more" if more > 0 else "")
+            + "; give an empty or new folder"
+        )
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between the provenance of the folder (``old``) and of this run."""
-    if old.get("format") != new["format"]:
-        return [
-            f"it was written by another version of dask_pcm (format {old.get('format')!r}, "
-            f"this one writes {new['format']!r})"
-        ]
-    out = []
-    for key in COMPARED:
-        if old.get(key) != new.get(key):
-            detail = f"{key} differs (folder: {_short(old.get(key))}, now: {_short(new.get(key))})"
-            if key == "model_digest":
-                detail += (
-                    f" - model files changed: {old.get('model')!r} then, {new.get('model')!r} now"
-                )
-            out.append(detail)
-    before = old.get("templates", {})
-    for name, spec in new["templates"].items():
-        if name in before and before[name] != spec:
-            fields = sorted(k for k in spec if before[name].get(k) != spec[k])
-            out.append(f"template {name!r} changed ({', '.join(fields)})")
-    return out
+def write_failed(root: Path, path: Path, exc: OSError) -> OutputFolderError:
+    """The error for a write of ``path`` that failed: what failed, and how to go on."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    return OutputFolderError(
+        f"output folder {root}: writing {path.name} failed: {reason}. "
+        + ("Free space" if full else "Fix that")
+        + ", then run the same command again: finished units already written are kept"
+    )
+
+
+def remove_temporary(root: Path) -> None:
+    # We hold the lock: our temporary files here belong to runs that died.
+    for stale in root.glob(".*.tmp"):
+        if TEMPORARY.fullmatch(stale.name):
+            stale.unlink(missing_ok=True)
+            logger.info("Removed %s, left by a run that did not finish", stale)

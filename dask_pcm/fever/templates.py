@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dask_pcm.exceptions import FeverFormatError
-from dask_pcm.fever.data import LABELS
+from dask_pcm.fever.data import LABELS, unicode_problem
 
 PLACEHOLDER = "{claim}"
 
@@ -366,13 +366,8 @@ def _make(fields: dict[str, Any], name: str, number: int) -> PromptTemplate:
     for key in ("name", "text", "description", "answers"):
         value = fields.get(key, "")
         for text in value if isinstance(value, tuple | list) else [value]:
-            try:
-                str(text).encode("utf-8")  # a JSON "\\ud800" escape parses, then fails late
-            except UnicodeEncodeError as e:
-                raise FeverFormatError(
-                    f"{name}: template {number}: {key} is not valid Unicode (lone surrogate "
-                    f"\\u{ord(str(text)[e.start]):04x} at character {e.start + 1})"
-                ) from None
+            if problem := unicode_problem(str(text)):
+                raise FeverFormatError(f"{name}: template {number}: {key} is {problem}")
     try:
         return PromptTemplate(**fields)
     except ValueError as e:

@@ -17,17 +17,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm.fever.data import Claim, ClaimSet
+from dask_pcm.fever.fitting import CONTEXT, truncated
 from dask_pcm.fever.scoring import GENERATE_TOKENS, score_generate, score_logits
 from dask_pcm.fever.templates import PromptTemplate
+from dask_pcm.loaders.model import count_tokens, prompt_problem
 from dask_pcm.tasks import get_context
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.sources import resolve_source
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-#: The name of the model context a FEVER run registers.
-CONTEXT = "fever-llm"
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ def score_unit(
     """The task: score ``claims`` under ``template`` with the worker's resident model;
     with ``prefix_cache`` the template's part before the claim is computed once per worker.
 
-    A prompt that cannot fit the model (:meth:`~dask_pcm.LanguageModel.prompt_problem`: its
+    A prompt that cannot fit the model (:func:`~dask_pcm.loaders.model.prompt_problem`: its
     context, or the memory one pass may take) is not run: its row carries ``error`` (and no
     prediction), or, with ``truncate``, its claim is cut until the prompt fits and the row
     says by how many tokens (``truncated_tokens``).
@@ -63,10 +62,10 @@ def score_unit(
     prompts = [template.render(text, lm.tokenizer) for text in texts]
     problems: list[str | None] = [None] * len(prompts)
     cut = [0] * len(prompts)
-    for i, tokens in enumerate(lm.count_tokens(prompts)):
-        problem = lm.prompt_problem(tokens, method, new_tokens)
+    for i, tokens in enumerate(count_tokens(lm, prompts)):
+        problem = prompt_problem(lm, tokens, method, new_tokens)
         if problem and truncate:
-            texts[i], prompts[i], cut[i], problem = _truncated(lm, template, texts[i], method)
+            texts[i], prompts[i], cut[i], problem = truncated(lm, template, texts[i], method)
         problems[i] = problem
     fine = [i for i, p in enumerate(problems) if p is None]
     scored_fine: list[dict[str, Any]] = []
@@ -87,82 +86,6 @@ def score_unit(
         {"claim_id": c.id, "template": template.name, "label": c.label, **row}
         for c, row in zip(claims, scored, strict=True)
     ]
-
-
-def _truncated(
-    lm: Any, template: PromptTemplate, text: str, method: str
-) -> tuple[str, str, int, str | None]:
-    """``text`` cut (from its end) until ``template``'s prompt of it fits ``lm``: the text, the
-    prompt, the tokens cut and what is still wrong (``None`` once it fits)."""
-    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
-    with lm.lock:
-        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    keep = len(ids)
-    prompt = template.render(text, lm.tokenizer)
-    problem = lm.prompt_problem(lm.count_tokens([prompt])[0], method, new_tokens)
-    while problem and keep > 0:
-        overflow = lm.count_tokens([prompt])[0] + new_tokens - fitting_tokens(lm, method)
-        keep = max(0, keep - max(overflow, 1))
-        with lm.lock:
-            text = lm.tokenizer.decode(ids[:keep])
-        prompt = template.render(text, lm.tokenizer)
-        problem = lm.prompt_problem(lm.count_tokens([prompt])[0], method, new_tokens)
-    return text, prompt, len(ids) - keep, problem
-
-
-def fitting_tokens(lm: Any, method: str) -> int:
-    """The most prompt tokens (new ones included) a pass on ``lm`` takes: the context, or
-    fewer where one pass of more would not fit the memory budget."""
-    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
-    low, high = 1, lm.max_tokens or 1 << 20
-    if lm.prompt_problem(high - new_tokens, method, new_tokens) is None:
-        return high
-    while low < high:  # the largest count with no problem
-        middle = (low + high + 1) // 2
-        if lm.prompt_problem(middle - new_tokens, method, new_tokens) is None:
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-def check_prompts(
-    templates: Sequence[PromptTemplate],
-    claims: Sequence[str],
-    method: str,
-    context: str = CONTEXT,
-) -> dict[str, Any]:
-    """The task a run sends once before any unit: which prompts cannot fit the model.
-
-    Returns ``limit`` (the most tokens a prompt may have, new ones included), ``templates``
-    (each template's own tokens: its prompt for an empty claim) and ``too_long``: (index in
-    ``claims``, template name, tokens, why) of every prompt that does not fit. Only claims
-    whose UTF-8 length could make them too long are tokenized (a token holds at least one
-    byte), so a run of short claims costs one small task.
-    """
-    lm = get_context(context)
-    new_tokens = 0 if method == "logits" else GENERATE_TOKENS
-    limit = fitting_tokens(lm, method)
-    own = dict(
-        zip(
-            [t.name for t in templates],
-            lm.count_tokens([t.render("", lm.tokenizer) for t in templates]),
-            strict=True,
-        )
-    )
-    too_long = []
-    slack = 8  # special tokens and the claim's merges with the text around it
-    room = limit - new_tokens - max(own.values(), default=0) - slack
-    suspects = [i for i, text in enumerate(claims) if len(text.encode("utf-8")) > room]
-    for template in templates:
-        if not suspects:
-            break
-        prompts = [template.render(claims[i], lm.tokenizer) for i in suspects]
-        for i, tokens in zip(suspects, lm.count_tokens(prompts), strict=True):
-            problem = lm.prompt_problem(tokens, method, new_tokens)
-            if problem:
-                too_long.append((i, template.name, tokens, problem))
-    return {"limit": limit, "templates": own, "too_long": too_long}
 
 
 def _typed(table: pa.Table) -> pa.Table:

@@ -197,6 +197,49 @@ def prompt_bytes(
     return activations + logits + cache
 
 
+def context_length(config: Any) -> int | None:
+    """The most tokens a model of ``config`` takes in one sequence; ``None`` when unsaid."""
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def prompt_problem(
+    config: Any,
+    element: int,
+    budget: int | None,
+    tokens: int,
+    method: str = "logits",
+    new_tokens: int = 0,
+    where: str = "this device",
+) -> str | None:
+    """Why a prompt of ``tokens`` tokens cannot run on a model of ``config`` with ``element``
+    bytes per weight, or ``None``: more tokens (``new_tokens`` to generate included) than the
+    model's context, or more than ``budget`` bytes for one pass of it alone.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(hidden_size=64, max_position_embeddings=512)
+    >>> prompt_problem(config, 4, None, 1000)
+    "1000 tokens exceed the model's context of 512 tokens"
+    """
+    limit = context_length(config)
+    if limit is not None and tokens + new_tokens > limit:
+        wanted = f"{tokens} tokens" + (f" + {new_tokens} to generate" if new_tokens else "")
+        return f"{wanted} exceed the model's context of {limit} tokens"
+    if budget is not None:
+        need = prompt_bytes(config, element, tokens, method, new_tokens)
+        if need > budget:
+            return (
+                f"one forward pass of {tokens} tokens needs about {need / 2**30:.2f} GiB, "
+                f"over the {budget / 2**30:.2f} GiB a pass may take on {where}"
+            )
+    return None
+
+
 def rows_that_fit(budget: int, per_prompt: int, most: int = GPU_MAX_BATCH_SIZE) -> int:
     """Prompts per pass that fit ``budget`` bytes: a power of two, from 1 to ``most``.
 

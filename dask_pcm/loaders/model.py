@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm.loaders.gpu import (
+    context_length,
     free_cached_memory,
     halved,
     is_out_of_memory,
     prompt_bytes,
     rows_that_fit,
 )
+from dask_pcm.loaders.gpu import prompt_problem as gpu_prompt_problem
 from dask_pcm.loaders.prefix import PrefixCache, last_logits
 
 if TYPE_CHECKING:
@@ -117,49 +119,6 @@ class LanguageModel:
     warning: str | None = None
     prefix_cache: PrefixCache | None = field(default=None, repr=False, compare=False)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
-
-    @property
-    def max_tokens(self) -> int | None:
-        """The most tokens the model takes in one sequence (its context), from its config;
-        ``None`` when the config does not say."""
-        config = getattr(self.model, "config", None)
-        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-            value = getattr(config, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
-
-    def prompt_problem(
-        self, tokens: int, method: str = "logits", new_tokens: int = 0
-    ) -> str | None:
-        """Why a prompt of ``tokens`` tokens cannot run here, or ``None`` when it can: more
-        tokens (``new_tokens`` to generate included) than the model's context holds, or more
-        memory for one pass of it alone than ``memory_budget`` allows.
-
-        Example
-        -------
-        >>> lm.prompt_problem(100_000)  # doctest: +SKIP
-        "100000 tokens exceed the model's context of 8192 tokens (/models/smollm2)"
-        """
-        limit = self.max_tokens
-        if limit is not None and tokens + new_tokens > limit:
-            wanted = f"{tokens} tokens" + (f" + {new_tokens} to generate" if new_tokens else "")
-            return f"{wanted} exceed the model's context of {limit} tokens ({self.source})"
-        if self.memory_budget is not None:
-            element = next(self.model.parameters()).element_size()
-            need = prompt_bytes(self.model.config, element, tokens, method, new_tokens)
-            if need > self.memory_budget:
-                return (
-                    f"one forward pass of {tokens} tokens needs about {need / 2**30:.2f} GiB, "
-                    f"over the {self.memory_budget / 2**30:.2f} GiB a pass may take on "
-                    f"{self.device} (model {self.source})"
-                )
-        return None
-
-    def count_tokens(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each of ``texts`` as the model's prompts tokenize."""
-        with self.lock:
-            return [len(ids) for ids in self.tokenizer(list(texts))["input_ids"]]
 
     def rows_per_pass(self, prompts: list[str], method: str = "logits", new_tokens: int = 0) -> int:
         """Prompts per forward pass for ``prompts``: ``batch_size``, fewer where the memory
@@ -350,6 +309,36 @@ class LanguageModel:
         if self.device_bytes is not None:
             return self.device_bytes
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def prompt_problem(
+    lm: LanguageModel, tokens: int, method: str = "logits", new_tokens: int = 0
+) -> str | None:
+    """Why a prompt of ``tokens`` tokens cannot run on ``lm``, or ``None``: more tokens
+    (``new_tokens`` to generate included) than the model's context, or more memory for one
+    pass of it alone than ``lm.memory_budget`` (:func:`dask_pcm.loaders.gpu.prompt_problem`).
+
+    Example
+    -------
+    >>> prompt_problem(lm, 100_000)  # doctest: +SKIP
+    "100000 tokens exceed the model's context of 8192 tokens"
+    """
+    element = next(lm.model.parameters()).element_size()
+    where = f"{lm.device} (model {lm.source})"
+    return gpu_prompt_problem(
+        lm.model.config, element, lm.memory_budget, tokens, method, new_tokens, where
+    )
+
+
+def max_tokens(lm: LanguageModel) -> int | None:
+    """The most tokens ``lm`` takes in one sequence (its context); ``None`` when unsaid."""
+    return context_length(getattr(lm.model, "config", None))
+
+
+def count_tokens(lm: LanguageModel, texts: Sequence[str]) -> list[int]:
+    """Tokens of each of ``texts`` as ``lm``'s prompts tokenize (under its lock)."""
+    with lm.lock:
+        return [len(ids) for ids in lm.tokenizer(list(texts))["input_ids"]]
 
 
 def chat_prompt(tokenizer: Any, message: str) -> str:

@@ -288,11 +288,6 @@ def test_a_job_waiting_in_the_queue_is_not_stuck(tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="run_fever's prompt check before the dispatch (dask_pcm/fever/fitting.py, "
-    "refuse_unfit) waits on .result() without cluster.raise_if_stuck(): it still hangs there",
-)
 def test_run_fever_on_jobs_qsub_rejects_raises_instead_of_waiting(tmp_path, tiny_model_dir):
     with (
         dask.config.set({"pcm.jobs.start-timeout": "3s"}),

@@ -5,17 +5,28 @@ with a memory limit, a worker process that exits, a scheduler process that is ki
 from __future__ import annotations
 
 import json
+import os
 import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
+import dask
 import pytest
 from distributed import Client
 
 import dask_pcm
-from dask_pcm.exceptions import PromptTooLongError
+from dask_pcm.exceptions import ClusterLostError, PromptTooLongError
+from dask_pcm.fever import demo_claims
 from dask_pcm.fever.data import write_demo
+from dask_pcm.fever.dispatch import Dispatch
 from dask_pcm.fever.run import run_fever
-from dask_pcm.fever.store import read_predictions
+from dask_pcm.fever.segments import read_predictions
+from dask_pcm.fever.templates import get_templates
+from dask_pcm.fever.units import CONTEXT, make_units, score_unit, score_units
 
 LONG = 200_000  # characters: ~100,000 tokens for the tiny model, whose context holds 512
 
@@ -96,3 +107,167 @@ def test_a_template_too_long_for_the_model_is_refused_before_any_work(
         run_fever(
             model=tiny_model_dir, templates=[template], cluster=capped_cluster, progress=False
         )
+
+
+def _crash_on_poison(template, units, method, **options):
+    """score_units, but a worker that meets the claim "POISON" dies on the spot (as one
+    killed by the kernel's memory killer would), noting it in the file POISON_LOG names."""
+    if any(c.claim == "POISON" for _, claims in units for c in claims):
+        with open(os.environ["POISON_LOG"], "a") as f:
+            f.write(f"{os.getpid()}\n")
+        os._exit(1)
+    return score_units(template, units, method, **options)
+
+
+def test_a_row_that_kills_its_worker_costs_that_row_only(tiny_model_dir, tmp_path, monkeypatch):
+    """It used to cost the whole run: KilledWorker after allowed-failures + 1 worker deaths
+    per submission, three submissions, then a raw traceback; neighbours failed with it."""
+    log = tmp_path / "deaths.log"
+    monkeypatch.setenv("POISON_LOG", str(log))  # the worker processes inherit it
+    claims = demo_claims()
+    poisoned = claims.claims[5]
+    claims.claims[5] = type(poisoned)(poisoned.id, "POISON", poisoned.label)
+    units = make_units(get_templates(["direct"], None), claims, 4)
+    got: dict[str, object] = {}
+    with (
+        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name=CONTEXT))
+        dispatch = Dispatch(
+            client,
+            units,
+            {"method": "logits", "prefix_cache": True},
+            lambda name, table: got.setdefault(name, table.to_pylist()),
+            task=_crash_on_poison,
+        )
+        dispatch.run()
+    rows = [row for unit in got.values() for row in unit]
+    assert sorted(r["claim_id"] for r in rows) == list(range(1, 31))  # every row, once
+    failed = [r for r in rows if r["error"]]
+    assert [r["claim_id"] for r in failed] == [poisoned.id]
+    assert all(r["predicted"] for r in rows if not r["error"])
+    # Deaths: its unit, its row among the unit's pieces, then the row twice in quarantine
+    # (alone on the cluster): four, not a restart loop.
+    assert len(log.read_text().split()) == 4
+    assert dispatch.lost_rows == 1
+
+
+RELEASE = threading.Event()
+
+
+def _stuck_on_the_first_claim(template, claims, method, **options):
+    """score_unit, but the unit holding claim 1 does not return until RELEASE is set."""
+    if any(c.id == 1 for c in claims):
+        RELEASE.wait(60)
+    return score_unit(template, claims, method, **options)
+
+
+def test_finished_units_are_written_on_time_while_a_unit_never_returns(
+    inproc_cluster, tiny_model_dir, tmp_path, monkeypatch
+):
+    """Only a new finished unit used to flush: with one unit stuck, the others stayed in
+    memory far past the flush interval, lost if the run was killed."""
+    import dask_pcm.fever.units as units_module
+
+    _, client = inproc_cluster
+    monkeypatch.setattr(units_module, "score_unit", _stuck_on_the_first_claim)
+    RELEASE.clear()
+    output = tmp_path / "preds"
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_fever(
+                model=tiny_model_dir,
+                cluster=client,
+                num_templates=1,
+                claims_per_task=3,
+                output=output,
+                progress=False,
+            )
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    with dask.config.set({"pcm.fever.flush-interval": "0.5s", "pcm.fever.task-seconds": 0}):
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            written = 0
+            while written < 27 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                if (output / "_dask_pcm_index.jsonl").exists():
+                    written = len(read_predictions(output))
+            assert written == 27, f"{written} of the 27 finished rows on disk"
+            assert thread.is_alive()  # the stuck unit still runs
+        finally:
+            RELEASE.set()
+            thread.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert len(read_predictions(output)) == 30
+
+
+def test_a_killed_scheduler_is_named_not_a_cancelled_task(tiny_model_dir, tmp_path):
+    """The client used to say "task ... ended as 'cancelled', not finished"."""
+    scheduler_file = tmp_path / "scheduler.json"
+    dask_bin = Path(sys.executable).with_name("dask")
+    scheduler = subprocess.Popen(
+        [
+            dask_bin,
+            "scheduler",
+            "--port",
+            "0",
+            "--dashboard-address",
+            ":0",
+            "--scheduler-file",
+            str(scheduler_file),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        address = json.loads(scheduler_file.read_text())["address"]
+        worker = subprocess.Popen(
+            [dask_bin, "worker", address, "--nthreads", "1", "--death-timeout", "5"],
+            stderr=subprocess.DEVNULL,
+        )
+        data = tmp_path / "claims.jsonl"
+        with open(data, "w") as f:
+            for i in range(400):
+                f.write(json.dumps({"id": i, "label": "SUPPORTS", "claim": f"Fact {i}."}) + "\n")
+        with Client(address) as client:
+            client.wait_for_workers(1, timeout=60)
+
+            def kill_soon() -> None:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:  # until the model is ready: scoring
+                    rows = dask_pcm.status(client)
+                    if len(rows) and (rows["state"] == "ready").all():
+                        break
+                    time.sleep(0.2)
+                time.sleep(1)
+                scheduler.send_signal(signal.SIGKILL)
+
+            killer = threading.Thread(target=kill_soon)
+            killer.start()
+            start = time.monotonic()
+            with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
+                run_fever(
+                    data,
+                    model=tiny_model_dir,
+                    cluster=client,
+                    claims_per_task=1,
+                    output=tmp_path / "preds",
+                    progress=False,
+                )
+            killer.join()
+            assert time.monotonic() - start < 40
+    finally:
+        for process in (worker, scheduler):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(30)

@@ -187,8 +187,8 @@ def test_summarize_a_small_realistic_run():
     table = summarize(predictions)
     recalls = [f"recall_{label}" for label in LABELS]
     head = ["template", "accuracy", "n", "macro_f1", *recalls, "unparseable"]
-    assert list(table.columns) == head + list(RANK_COLUMNS)
-    pd.testing.assert_frame_equal(table, rank(predictions))
+    assert list(table.columns) == [*head, *RANK_COLUMNS, "errors"]
+    pd.testing.assert_frame_equal(table, rank(predictions).assign(errors=0))
     assert list(table["template"]) == ["fact-checker", "direct", "yes-man"]
     assert list(table["n"]) == [30] * 3
     assert list(table["accuracy"]) == sorted(table["accuracy"], reverse=True)
@@ -213,3 +213,15 @@ def test_an_empty_run_ranks_to_an_empty_table():
     empty = pd.DataFrame(columns=["claim_id", "template", "label", "predicted"])
     table = rank(empty)
     assert table.empty and list(table.columns[-len(RANK_COLUMNS) :]) == list(RANK_COLUMNS)
+
+
+def test_rows_recorded_as_errors_count_apart_not_as_wrong_answers():
+    rows = _logits_rows("fact-checker", BALANCED, wrong=(0, 1, 5))
+    predictions = pd.DataFrame(rows).assign(error=None)
+    failed = predictions.copy()
+    failed.loc[failed.index[:2], ["predicted", "error"]] = [None, "too long"]
+    table = summarize(failed)
+    assert table["errors"].tolist() == [2]
+    assert table["n"].tolist() == [len(predictions) - 2]
+    expected = summarize(predictions.iloc[2:])
+    assert table["accuracy"].tolist() == expected["accuracy"].tolist()

@@ -1,0 +1,52 @@
+"""Checks a run makes while it waits on its cluster, so that no wait is for ever.
+
+:func:`check_cluster` raises when the wait cannot end: the client lost its scheduler
+(:class:`~dask_pcm.exceptions.ClusterLostError`, naming its address), or a batch cluster
+cannot get any worker (its ``raise_if_stuck()``: :class:`~dask_pcm.exceptions.BatchJobError`
+quoting the batch system). The dispatch loop calls it every second; :func:`watched_result`
+waits for one future the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distributed import Client, Future, wait
+
+from dask_pcm.exceptions import ClusterLostError
+
+#: Seconds between checks while waiting.
+TICK = 1.0
+
+
+def check_cluster(client: Client, unfinished: int | None = None) -> None:
+    """Raise if waiting on ``client``'s cluster cannot end (see the module docstring);
+    ``unfinished``: tasks still out, for the message."""
+    if client.status not in ("running", "newly-created"):
+        left = "" if unfinished is None else f"; {unfinished} task(s) unfinished"
+        raise scheduler_lost(client, f"client {client.status}{left}")
+    stuck = getattr(client.cluster, "raise_if_stuck", None)
+    if stuck is not None:
+        stuck()
+
+
+def scheduler_lost(client: Client, why: str) -> ClusterLostError:
+    """The error for a run whose client lost its scheduler, naming its address."""
+    address = getattr(client.scheduler, "address", None) or "unknown"
+    return ClusterLostError(
+        f"lost the connection to the scheduler at {address} ({why}): the scheduler died, "
+        "or the network to it dropped"
+    )
+
+
+def watched_result(client: Client, future: Future) -> Any:
+    """``future.result()``, checking the cluster every :data:`TICK` seconds meanwhile."""
+    while True:
+        try:
+            wait(future, timeout=TICK)
+        except TimeoutError:
+            check_cluster(client)
+            continue
+        if future.status == "cancelled":
+            check_cluster(client)
+        return future.result()
