@@ -23,7 +23,7 @@ from dask_pcm.deploy import KINDS
 from dask_pcm.deploy.local import local_cluster
 from dask_pcm.diagnosis import doctor as examine_workers
 from dask_pcm.diagnosis import format_reports
-from dask_pcm.exceptions import PCMError
+from dask_pcm.exceptions import ClusterLostError, PCMError
 from dask_pcm.fever.data import ERRORS
 from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.scoring import METHODS
@@ -171,7 +171,15 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
     "--errors",
     type=click.Choice(ERRORS),
     default=None,
-    help="Malformed FEVER lines: raise (default) or skip.",
+    help="Malformed FEVER lines and claims whose prompt cannot fit the model: raise (default: "
+    "stop before any work, naming file:line) or skip (count them, record such prompts as "
+    "error rows, go on).",
+)
+@click.option(
+    "--truncate/--no-truncate",
+    default=None,
+    help="Cut claims whose prompt cannot fit the model until it fits (counted; default: "
+    "pcm.fever.truncate, off).",
 )
 @click.option(
     "--cluster",
@@ -205,6 +213,8 @@ def fever(json_path: str | None, **options: Any) -> None:
     try:
         with interruptible(kept):
             result = run_fever(**given)
+    except ClusterLostError as exc:
+        raise click.ClickException(f"{exc}; {kept}") from exc
     except (PCMError, ValueError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     from dask_pcm.fever.ranking import HOW_TO_READ, display_table  # pandas, once there is a table
@@ -220,6 +230,13 @@ def fever(json_path: str | None, **options: Any) -> None:
         f"reused; {report['wall_seconds']:.1f} s"
         + (f"; {report['files']} files in {result.output}" if result.output else "")
     )
+    if report["row_errors"]:
+        click.echo(
+            f"{report['row_errors']} row(s) recorded as errors, without a prediction "
+            "(column 'error'), e.g.:\n  " + "\n  ".join(report["row_error_examples"])
+        )
+    if report["truncated"]:
+        click.echo(f"{report['truncated']} prompt(s) scored with their claim cut to fit")
     if json_path:
         payload = {"summary": result.summary.to_dict("records"), "report": report}
         try:

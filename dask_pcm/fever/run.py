@@ -194,6 +194,7 @@ def run_fever(
             model=str(context.template),
             finished=finished,
             tick=store.flush_if_due if store else (lambda: None),
+            flush=store.flush if store else (lambda: None),
         )
         # A resume with nothing left to compute starts no cluster and loads no model.
         workers_report, tasks = (
@@ -260,6 +261,7 @@ class _Job:
     model: str
     finished: Callable[[str, pa.Table], None]
     tick: Callable[[], Any]
+    flush: Callable[[], Any]
 
 
 def _compute(
@@ -295,11 +297,13 @@ def _compute(
         after = pcm.status(client, [CONTEXT])
     finally:
         bar.close()
-        if owned:
-            cluster_obj = client.cluster
-            client.close()
-            if cluster_obj is not None:
-                cluster_obj.close()
+        try:
+            # What finished reaches the disk before the cluster closes (seconds, or a hang
+            # on a sick cluster), not after: a walltime's SIGKILL may follow a SIGTERM soon.
+            job.flush()
+        finally:
+            if owned:
+                _close(client)
     rows = [
         {
             "worker": r.worker,
@@ -311,6 +315,13 @@ def _compute(
         for r in after.itertuples()
     ]
     return rows, dispatch.tasks
+
+
+def _close(client: Client) -> None:
+    cluster = client.cluster
+    client.close()
+    if cluster is not None:
+        cluster.close()
 
 
 def _tasks_by_worker(client: Client) -> dict[str, int]:

@@ -42,3 +42,21 @@ def test_malformed_data_is_one_clear_error_not_a_traceback(tmp_path):
     assert "Traceback" not in result.output
     result = CliRunner().invoke(main, ["fever", "--templates", "no-such-template"])
     assert result.exit_code != 0 and "no-such-template" in result.output
+
+
+def test_an_over_long_claim_is_refused_by_line_or_recorded_with_errors_skip(
+    tiny_model_dir, tmp_path
+):
+    data = write_demo(tmp_path / "claims.jsonl")
+    with open(data, "a") as f:
+        f.write(json.dumps({"id": 99, "label": "REFUTES", "claim": "Long. " * 30_000}) + "\n")
+    args = ["fever", "--data", str(data), "--model", str(tiny_model_dir)]
+    args += ["--num-templates", "1", "--workers", "1"]
+    refused = CliRunner().invoke(main, args)
+    assert refused.exit_code == 1, refused.output
+    assert f"{data}:31: claim 99" in refused.output and "--errors skip" in refused.output
+    assert "Traceback" not in refused.output
+    skipped = CliRunner().invoke(main, [*args, "--errors", "skip"])
+    assert skipped.exit_code == 0, skipped.output
+    assert "1 row(s) recorded as errors" in skipped.output
+    assert f"{data}:31: claim 99 under template" in skipped.output
