@@ -8,6 +8,7 @@ absence is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,6 +112,14 @@ class Preemptor(threading.Thread):
 
 
 def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
+    # The demo claims three times over: a replacement takes 15-25 s (lost-worker timeout,
+    # watchdog, job start, template from a peer, load), and the run must outlast four.
+    data = tmp_path / "claims.jsonl"
+    with open(data, "w") as f:
+        for copy in range(3):
+            for c in demo_claims():
+                record = {"id": copy * 100 + int(c.id), "label": c.label, "claim": c.claim}
+                f.write(json.dumps(record) + "\n")
     with (
         dask.config.set({"distributed.deploy.lost-worker-timeout": "2s"}),
         _sge_cluster(tmp_path, workers=2) as cluster,
@@ -123,6 +132,7 @@ def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
         preemptor.start()
         try:
             result = run_fever(
+                data,
                 cluster=client,
                 num_templates=len(BUILTIN_TEMPLATES),
                 claims_per_task=4,
@@ -136,7 +146,7 @@ def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
         assert [kind for kind, _ in preemptor.done[:3]] == ["qdel"] * 3, preemptor.done
         replaced = cluster.replaced_jobs
 
-    expected = len(demo_claims()) * len(BUILTIN_TEMPLATES)
+    expected = 3 * len(demo_claims()) * len(BUILTIN_TEMPLATES)
     pred = result.predictions
     assert len(pred) == expected  # every (claim, template) present...
     assert not pred.duplicated(["claim_id", "template"]).any()  # ...exactly once
