@@ -19,6 +19,8 @@ from dask_pcm.protocol import COLUMNS
 from dask_pcm.scheduler import ContextScheduler, get_plugin
 from dask_pcm.tasks import ContextTask
 from dask_pcm.templates.manifest import build_manifest
+from dask_pcm.templates.sources import EMBEDDED
+from dask_pcm.templates.tree import list_template
 from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
 
 if TYPE_CHECKING:
@@ -125,19 +127,21 @@ def register(
 def _manifest_json(ctx: Context, level: str) -> str | None:
     """The template's chunk manifest for peer-to-peer transfer, where it applies.
 
-    Only for levels full and partial and a template that is a local path (directory or
-    ``.gguf``) or ``"embedded"``, hashed here once (cached; see :mod:`dask_pcm.templates.manifest`).
-    Workers then copy it chunk by chunk into local disk, from peers unless
-    ``pcm.template.peer-to-peer`` is false, and build the context from that copy. Hub ids
-    and custom templates are read by each worker from the source.
+    Only for levels full and partial and a template that is a local path (any directory
+    or file) or ``"embedded"``, listed by the context's loader
+    (:func:`dask_pcm.templates.tree.list_template`) and hashed here once (cached; see
+    :mod:`dask_pcm.templates.manifest`). Workers then copy it chunk by chunk into local
+    disk, from peers unless ``pcm.template.peer-to-peer`` is false, and build the context
+    from that copy. Hub ids are read by each worker from the source; a context without
+    files (``template=None``) has nothing to copy.
     """
     template = ctx.template
-    if level == "agnostic":
+    if level == "agnostic" or template is None:
         return None
-    if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
+    if not (template == EMBEDDED or os.path.exists(template)):
         return None
     try:
-        manifest, _ = build_manifest(template)
+        manifest, _ = build_manifest(list_template(template, ctx.loader))
     except PCMError as exc:
         logger.info("No peer-to-peer template for %r: %s", ctx.name, exc)
         return None

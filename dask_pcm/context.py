@@ -10,6 +10,7 @@ from typing import Any
 
 from dask_pcm import config
 from dask_pcm.loaders.llm import CausalLM
+from dask_pcm.templates.sources import EMBEDDED
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -27,16 +28,23 @@ class Context:
     name : str
         Name tasks use to ask for the context (letters, digits, ``_.-``).
     loader : callable
-        ``loader(location) -> object``. ``location`` is the template as a string: the
-        source itself at levels ``full`` and ``agnostic``, the worker-local copy of its files
-        at level ``partial``. It runs on workers, so it must pickle (a module-level function
-        or a small object such as :class:`dask_pcm.CausalLM`). If it has a
-        ``release(obj)`` method, that is called when a built object is dropped.
+        ``loader(location) -> object``. ``location`` is where the template's files are, as
+        a string: the worker-local copy of them where one is made (levels ``full`` and
+        ``partial`` with a local template), else the template itself; ``None`` for a context
+        without files. It runs on workers, so it must pickle (a module-level function
+        or a small object such as :class:`dask_pcm.CausalLM`). Optional methods:
+        ``release(obj)``, called when a built object is dropped; ``estimate_bytes(location)``,
+        the memory a build will take; ``list_files(template)``, which files of the template
+        travel (:func:`dask_pcm.templates.tree.list_template`; every file by default).
     template : str or path, optional
-        What the loader builds from: a local Hugging Face directory, a ``.gguf`` file, a
-        hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, or ``"embedded"`` for the
-        SmolLM2-135M-Instruct model that ships with dask_pcm's install. ``None`` means
-        ``"embedded"``.
+        What the loader builds from. Any local directory (subfolders included) or file is
+        copied to each worker's disk chunk by chunk, peer to peer, at levels ``full`` and
+        ``partial`` (:mod:`dask_pcm.templates.tree` says which names may travel). Other
+        strings reach the loader unchanged: :class:`dask_pcm.CausalLM` also takes a hub id
+        such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` or ``"embedded"`` for the
+        SmolLM2-135M-Instruct that ships with dask_pcm's install. ``None`` (the default):
+        no files; nothing is hashed or copied and the loader is called with ``None``, so at
+        levels ``partial`` and ``agnostic`` each task simply builds the context again.
     level : {"full", "partial", "agnostic"}, optional
         Default level for this context; ``None`` defers to :func:`dask_pcm.register` and
         then to ``pcm.default-level``.
@@ -47,10 +55,14 @@ class Context:
     >>> ctx = Context("smollm2", CausalLM(device="auto"), template="embedded")
     >>> ctx.name
     'smollm2'
+    >>> Context("clock", lambda location: object()).template is None  # no files
+    True
     """
 
     name: str
-    loader: Callable[[str], Any] = field(repr=False)
+    # Any: called with a str, or None for a context without files; a loader typed for
+    # str alone (its context has a template) is as welcome as one that takes None.
+    loader: Callable[[Any], Any] = field(repr=False)
     template: str | None = None
     level: str | None = None
 
@@ -62,10 +74,8 @@ class Context:
             )
         if not callable(self.loader):
             raise TypeError(f"context {self.name!r}: loader must be callable, got {self.loader!r}")
-        template = self.template
-        if template is not None and not isinstance(template, str):
-            template = os.fspath(template)
-        object.__setattr__(self, "template", "embedded" if template is None else template)
+        if self.template is not None and not isinstance(self.template, str):
+            object.__setattr__(self, "template", os.fspath(self.template))
         if self.level is not None:
             config.check_level(self.level)
 
@@ -87,7 +97,7 @@ def causal_lm(
     ----------
     source : str or path, optional
         Local Hugging Face directory (safetensors), ``.gguf`` file, hub id, or ``None`` for
-        the embedded SmolLM2-135M-Instruct.
+        the embedded SmolLM2-135M-Instruct (the context's template is then ``"embedded"``).
     name : str
         Context name.
     level : {"full", "partial", "agnostic"}, optional
@@ -107,6 +117,8 @@ def causal_lm(
     >>> ctx.template
     'embedded'
     """
-    template = None if source is None else os.fspath(source)
+    # The embedded model is the causal LM's default, not the core's: a Context's None
+    # means "no files".
+    template = EMBEDDED if source is None else os.fspath(source)
     loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)
     return Context(name, loader, template=template, level=level)

@@ -32,7 +32,14 @@ from dask_pcm.loaders.model import (
     building_for_one_task,
 )
 from dask_pcm.loaders.prefix import PrefixCache
-from dask_pcm.templates.sources import ResolvedSource, resolve_source, template_files
+from dask_pcm.templates.sources import (
+    EMBEDDED,
+    ResolvedSource,
+    model_files,
+    resolve_source,
+    template_files,
+)
+from dask_pcm.templates.tree import TemplateFiles
 
 __all__ = ["CPU_BATCH_SIZE", "TOKENS_PER_PROMPT", "CausalLM", "LanguageModel"]
 
@@ -89,7 +96,8 @@ class CausalLM:
         return (type(self).__qualname__, self.device, self.dtype, self.batch_size)
 
     def __call__(self, location: str | os.PathLike[str] | None) -> LanguageModel:
-        """Load the model at ``location`` (anything :func:`dask_pcm.templates.sources.resolve_source` takes).
+        """Load the model at ``location`` (anything :func:`dask_pcm.templates.sources.resolve_source`
+        takes); ``None`` loads the embedded SmolLM2-135M-Instruct, this loader's default.
 
         Raises
         ------
@@ -99,7 +107,7 @@ class CausalLM:
             Loading failed, batch sizing or the warm-up pass included (then whatever was
             loaded is freed); the message names the model path and the original error.
         """
-        resolved = resolve_source(location)
+        resolved = resolve_source(EMBEDDED if location is None else location)
         model = None
         try:
             import torch
@@ -158,12 +166,31 @@ class CausalLM:
         need = prompt_bytes(lm.model.config, element, TOKENS_PER_PROMPT, "logits")
         lm.batch_size = rows_that_fit(lm.memory_budget, need)
 
+    def list_files(self, template: str | os.PathLike[str] | None) -> TemplateFiles:
+        """The files of ``template`` that travel to workers: the model's selection
+        (:func:`dask_pcm.templates.sources.model_files`: config, safetensors weights and
+        tokenizer files of a Hugging Face directory or hub snapshot, never pickle
+        checkpoints; or the ``.gguf`` file).
+
+        Raises
+        ------
+        ModelSourceError
+            ``template`` is not a model (no ``config.json``, pickle weights only, missing).
+
+        Example
+        -------
+        >>> CausalLM().list_files("/models/my-llama").names  # doctest: +SKIP
+        ('config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json')
+        """
+        return model_files(EMBEDDED if template is None else template)
+
     def estimate_bytes(self, location: str | os.PathLike[str] | None) -> int:
         """Memory a model loaded from ``location`` will take, before loading it: the size of
         its files (the weights dominate). The worker makes that much room first
         (``pcm.worker.context-memory-limit``); 0 when the location cannot be read yet."""
         try:
-            return sum(p.stat().st_size for p in template_files(resolve_source(location)))
+            resolved = resolve_source(EMBEDDED if location is None else location)
+            return sum(p.stat().st_size for p in template_files(resolved))
         except (OSError, ModelSourceError):
             return 0
 

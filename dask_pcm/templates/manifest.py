@@ -1,15 +1,18 @@
 """Context templates as verifiable chunks: the format peers exchange model files in.
 
-A template (the files a context is built from: a model directory or a ``.gguf`` file) is cut
-into chunks of ``pcm.template.chunk-size`` bytes (64 MiB by default), file by file; the
-:class:`Manifest` lists every file with its size and the SHA-256 of each of its chunks, and a
-digest of the whole (the hash of the manifest's canonical JSON) names the template: two
-workers hold the same template exactly when their digests match.
+A template (the files a context is built from: any directory, subfolders included, or one
+file; :mod:`dask_pcm.templates.tree`) is cut into chunks of ``pcm.template.chunk-size`` bytes
+(64 MiB by default), file by file; the :class:`Manifest` lists every file under its relative
+path with its size and the SHA-256 of each of its chunks, and a digest of the whole (the hash
+of the manifest's canonical JSON: chunk size, relative paths, sizes, chunk digests) names the
+template: two workers hold the same template exactly when their digests match.
 
 Everything here streams: hashing reads a file in 1 MiB pieces, a chunk is read or written on
-its own, so memory stays bounded by one chunk whatever the model's size. Only the files
-:func:`dask_pcm.templates.sources.template_files` admits are ever listed (safetensors, GGUF, JSON and
-text tokenizer files; never pickle checkpoints).
+its own, so memory stays bounded by one chunk whatever the model's size. Which files are
+listed is decided before (:func:`dask_pcm.templates.tree.list_template`): every file of the
+tree, or for a causal LM the model's selection (safetensors, GGUF, JSON and text tokenizer
+files; never pickle checkpoints). A manifest names files by relative paths of plain
+components, checked wherever one is read or written, so a worker never writes outside its copy.
 
 Building a manifest hashes every byte of the template once; the result is cached under
 ``<pcm.cache-directory>/manifests``, keyed by the files' paths, sizes and modification times
@@ -20,6 +23,8 @@ Example
 >>> manifest, root = build_manifest("/scratch/models/SmolLM2-1.7B-Instruct")  # doctest: +SKIP
 >>> manifest.nchunks, manifest.total_bytes, manifest.digest[:12]           # doctest: +SKIP
 (55, 3422777952, '5f0c2d9a81be')
+>>> from dask_pcm.templates.tree import tree_files
+>>> manifest, root = build_manifest(tree_files("/models/encoder"))         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ import dask.utils
 
 from dask_pcm import config
 from dask_pcm.exceptions import ChunkError
-from dask_pcm.templates.sources import resolve_source, template_files
+from dask_pcm.templates.sources import model_files
+from dask_pcm.templates.tree import TemplateFiles, check_distinct, check_file_name
 
 __all__ = [
     "FORMAT",
@@ -58,11 +64,14 @@ __all__ = [
 FORMAT = "dask-pcm-template/1"
 MANIFEST_NAME = ".dask-pcm-manifest.json"
 _PIECE = 1 << 20  # hashing and copying read this much at a time
+# Part of the manifest cache's key: a manifest cached before the cache held ``entry``
+# must be built again (its digest comes out the same).
+_CACHE_LAYOUT = 2
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a template: its name relative to the root, size and chunk digests."""
+    """One file of a template: its path relative to the root (POSIX), size and chunk digests."""
 
     path: str
     size: int
@@ -82,11 +91,17 @@ class ChunkRef:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The files of a template, their chunks' SHA-256 digests and the digest of it all."""
+    """The files of a template, their chunks' SHA-256 digests and the digest of it all.
+
+    ``entry`` is where a copy's loader is pointed: ``""`` for the copy's folder, or the
+    file of a single-file template. It says how to read the files, not what they are, so
+    it is left out of the digest (a folder holding one file and that file are one copy).
+    """
 
     chunk_size: int
     files: tuple[FileEntry, ...]
     digest: str
+    entry: str = ""
 
     @property
     def nchunks(self) -> int:
@@ -114,7 +129,7 @@ class Manifest:
             yield self.chunk(index)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": FORMAT,
             "chunk_size": self.chunk_size,
             "files": [
@@ -122,6 +137,9 @@ class Manifest:
             ],
             "digest": self.digest,
         }
+        if self.entry:
+            data["entry"] = self.entry
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -130,9 +148,9 @@ class Manifest:
     def from_dict(cls, data: dict[str, Any]) -> Manifest:
         """The manifest in ``data``, checked: format, file names, digest.
 
-        A manifest travels to every worker, which writes the files it names: a name that is
-        not a plain file name (a path, ``..``, a hidden name) is refused before anything is
-        written.
+        A manifest travels to every worker, which writes the files it names: a path that is
+        not relative or has a component that is not a plain name (``..``, a hidden name) is
+        refused before anything is written, as are two entries for one path.
         """
         if data.get("format") != FORMAT:
             raise ChunkError(f"not a {FORMAT} manifest: format {data.get('format')!r}")
@@ -140,7 +158,11 @@ class Manifest:
             FileEntry(check_file_name(f["path"]), int(f["size"]), tuple(f["chunks"]))
             for f in data["files"]
         )
-        manifest = cls(int(data["chunk_size"]), files, str(data["digest"]))
+        check_distinct(files)
+        entry = str(data.get("entry", ""))
+        if entry and entry not in {f.path for f in files}:
+            raise ChunkError(f"manifest entry {entry!r} is not one of its files")
+        manifest = cls(int(data["chunk_size"]), files, str(data["digest"]), entry)
         expected = _digest(manifest.chunk_size, files)
         if manifest.digest != expected:
             raise ChunkError(
@@ -152,28 +174,6 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         return cls.from_dict(json.loads(text))
-
-
-def check_file_name(name: Any) -> str:
-    """``name`` if it is a plain file name a manifest may list, else raise :class:`ChunkError`.
-
-    Templates are flat folders (or one file): a name with a path separator, ``..``, an
-    absolute path, a leading dot or a NUL byte could make a worker write outside its copy.
-    """
-    text = str(name)
-    if (
-        not text
-        or text.startswith(".")
-        or "/" in text
-        or "\\" in text
-        or "\0" in text
-        or os.path.isabs(text)
-    ):
-        raise ChunkError(
-            f"manifest lists {text!r}: template files must be plain names (no path separators, "
-            "'..', absolute paths or leading dots)"
-        )
-    return text
 
 
 def chunk_size() -> int:
@@ -213,12 +213,22 @@ def _hash_file(path: Path, size: int) -> tuple[str, ...]:
 
 
 def build_manifest(
-    source: str | os.PathLike[str] | None, size: int | None = None
+    source: TemplateFiles | str | os.PathLike[str] | None, size: int | None = None
 ) -> tuple[Manifest, Path]:
-    """The manifest of ``source`` and the folder its file paths are relative to.
+    """The manifest of a template and the folder its file paths are relative to.
 
-    ``source`` is anything :func:`dask_pcm.templates.sources.resolve_source` takes (a model directory, a
-    ``.gguf`` file, a hub id in the local cache, ``None`` or ``"embedded"``).
+    Parameters
+    ----------
+    source
+        The template's files (:class:`~dask_pcm.templates.tree.TemplateFiles`, from
+        :func:`~dask_pcm.templates.tree.list_template` or
+        :func:`~dask_pcm.templates.tree.tree_files`: any tree),
+        or a model source as :func:`dask_pcm.templates.sources.resolve_source` takes it (a
+        model directory, a ``.gguf`` file, a hub id in the local cache, ``None`` or
+        ``"embedded"``), whose model selection is listed
+        (:func:`dask_pcm.templates.sources.model_files`).
+    size
+        Bytes per chunk; ``None`` for ``pcm.template.chunk-size``.
 
     Raises
     ------
@@ -226,15 +236,12 @@ def build_manifest(
         The source cannot be resolved or holds no template files.
     """
     size = size or chunk_size()
-    resolved = resolve_source(source)
-    paths = template_files(resolved)
-    root = paths[0].parent if resolved.kind == "gguf" else resolved.path
-    stats = [(p.name, p.stat()) for p in paths]
-    key = hashlib.sha256(
-        json.dumps(
-            [str(root.resolve()), size, [[n, s.st_size, s.st_mtime_ns] for n, s in stats]]
-        ).encode()
-    ).hexdigest()
+    listed = source if isinstance(source, TemplateFiles) else model_files(source)
+    root = listed.root
+    stats = [(name, (root / name).stat()) for name in listed.names]
+    stamps = [[n, s.st_size, s.st_mtime_ns] for n, s in stats]
+    layout = [_CACHE_LAYOUT, str(root.resolve()), size, listed.entry, stamps]
+    key = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
     cache = config.cache_directory() / "manifests" / f"{key}.json"
     if cache.is_file():
         try:
@@ -242,7 +249,7 @@ def build_manifest(
         except (ChunkError, ValueError, KeyError):
             pass  # rebuilt below
     files = tuple(FileEntry(name, st.st_size, _hash_file(root / name, size)) for name, st in stats)
-    manifest = Manifest(size, files, _digest(size, files))
+    manifest = Manifest(size, files, _digest(size, files), listed.entry)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(manifest.to_json())
@@ -324,7 +331,8 @@ def verify_copy(root: str | os.PathLike[str], manifest: Manifest) -> list[int]:
 class TemplateWriter:
     """Assemble a template from verified chunks, in any order, into ``dest``.
 
-    Files are created at their full size in a hidden staging folder beside ``dest``; each
+    Files are created at their full size (in their subfolders) in a hidden staging folder
+    beside ``dest``; each
     chunk is verified and written at its offset; :meth:`finish` writes the manifest and moves
     the folder into place in one rename, so ``dest`` either holds the whole template or
     nothing.
@@ -339,16 +347,21 @@ class TemplateWriter:
         # staging folder reached through a link, must not let a write land elsewhere.
         inside = self.staging.resolve()
         self._paths: dict[str, Path] = {}
+        check_distinct(manifest.files)
         for entry in manifest.files:
             path = (inside / check_file_name(entry.path)).resolve()
-            if path.parent != inside:
+            if path == inside or not path.is_relative_to(inside):
                 raise ChunkError(
                     f"manifest file {entry.path!r} resolves to {path}, outside the copy "
                     f"being assembled in {inside}"
                 )
             self._paths[entry.path] = path
         for entry in manifest.files:
-            with open(self._paths[entry.path], "ab") as f:
+            path = self._paths[entry.path]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.resolve().is_relative_to(inside):  # a folder swapped for a link
+                raise ChunkError(f"manifest file {entry.path!r} resolves outside {inside}")
+            with open(path, "ab") as f:
                 f.truncate(entry.size)
         self.missing = set(range(manifest.nchunks))
 

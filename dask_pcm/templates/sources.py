@@ -1,12 +1,17 @@
-"""Where model and template files come from, and how they are copied to a worker's disk.
+"""Model sources: where a causal language model's files come from, and which of them travel.
 
-A *source* is what a user names as a model: ``None`` or ``"embedded"`` (the embedded
-SmolLM2), a local directory in Hugging Face layout, a single ``.gguf`` file, or a hub id such as
-``"HuggingFaceTB/SmolLM2-135M-Instruct"``. :func:`resolve_source` turns it into local files,
-:func:`template_files` lists the files that make up the template.
+A *source* is what a user names as a model: ``"embedded"`` (the embedded SmolLM2; ``None``
+means the same here, the causal LM's default), a local directory in Hugging Face layout, a
+single ``.gguf`` file, or a hub id such as ``"HuggingFaceTB/SmolLM2-135M-Instruct"``.
+:func:`resolve_source` turns it into local files, :func:`template_files` lists the files of the
+model that make up its template, :func:`model_files` the same as the
+:class:`~dask_pcm.templates.tree.TemplateFiles` that :class:`dask_pcm.CausalLM` hands to the
+template transport. Other contexts' templates are any file tree
+(:mod:`dask_pcm.templates.tree`): nothing here applies to them.
 
-Only formats that cannot run code when loaded are accepted: pickle checkpoints (``*.bin``,
-``*.pt``, ``*.pth``) are refused everywhere, because loading one executes whatever it contains.
+Only formats that cannot run code when loaded are accepted for a model: pickle checkpoints
+(``*.bin``, ``*.pt``, ``*.pth``) are refused, because loading one executes whatever it
+contains.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from dask_pcm.exceptions import ModelSourceError
 from dask_pcm.loaders import embedded
+from dask_pcm.templates.tree import TemplateFiles, check_links
 
 logger = logging.getLogger(__name__)
 
@@ -139,34 +145,27 @@ def template_files(resolved: ResolvedSource) -> list[Path]:
         for p in resolved.path.iterdir()
         if p.is_file() and _is_safe(p.name) and not p.name.lower().endswith(".gguf")
     )
-    _check_links(resolved, files)
+    check_links(resolved.path, files, "model directory")
     return files
 
 
-def _check_links(resolved: ResolvedSource, files: list[Path]) -> None:
-    """Refuse template files that are links to places outside the model.
+def model_files(source: str | os.PathLike[str] | None) -> TemplateFiles:
+    """The template of the model ``source``: :func:`template_files` of :func:`resolve_source`.
 
-    Links are followed only where they stay inside the model directory or a Hugging Face
-    cache (whose snapshots link each file to ``../../blobs/<hash>``): a template is copied to
-    workers and served to peers, and must not carry a file from anywhere else on the machine.
+    What :class:`dask_pcm.CausalLM` lists for the template transport (its ``list_files``):
+    a directory's names are its file names (the model's selection is flat), a ``.gguf``
+    template is the file, which the loader is then pointed at.
+
+    Example
+    -------
+    >>> model_files("/models/my-llama").names  # doctest: +SKIP
+    ('config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json')
     """
-    links = [p for p in files if p.is_symlink()]
-    if not links:
-        return
-    roots = [resolved.path.resolve()]
-    if resolved.path.parent.name == "snapshots":  # a snapshot inside a hub cache's repo folder
-        roots.append(resolved.path.parent.parent.resolve())
-    from huggingface_hub import constants
-
-    roots.append(Path(constants.HF_HUB_CACHE).expanduser().resolve())
-    for link in links:
-        target = link.resolve()
-        if not any(target.is_relative_to(root) for root in roots):
-            raise ModelSourceError(
-                f"model directory '{resolved.path}': '{link.name}' is a symbolic link to "
-                f"'{target}', outside the model directory and the Hugging Face cache; copy the "
-                "file into the directory (links are followed only inside it)"
-            )
+    resolved = resolve_source(source)
+    paths = template_files(resolved)
+    if resolved.kind == "gguf":
+        return TemplateFiles(resolved.path.parent, (resolved.path.name,), resolved.path.name)
+    return TemplateFiles(resolved.path, tuple(p.name for p in paths))
 
 
 def _is_safe(name: str) -> bool:

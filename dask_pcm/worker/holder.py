@@ -53,9 +53,10 @@ class Holder:
         self.pending: Any = None  # a closed resident context that tasks still use
 
     def build(self) -> Any:
-        """Build the context from its template's location (a loader call); counted."""
+        """Build the context from its template's location (a loader call; ``None`` for a
+        context without files); counted."""
         start = time.perf_counter()
-        value = self.context.loader(self.record.location or "")
+        value = self.context.loader(self.record.location)
         elapsed = time.perf_counter() - start
         with self.lock:
             self.record.loads += 1
@@ -89,7 +90,7 @@ class Holder:
         if estimate is None:
             return 0
         try:
-            return max(0, int(estimate(self.record.location or "")))
+            return max(0, int(estimate(self.record.location)))
         except Exception as exc:  # an estimate is advice: the build reports real problems
             logger.debug("No size estimate for context %r: %r", self.context.name, exc)
             return 0

@@ -9,6 +9,9 @@
 :meth:`Level.fetch` runs outside the host's load slot (a copy waits on the network);
 :meth:`Level.prepare` inside it (it reads disks and fills memory); :meth:`Level.take` in
 the task's thread.
+
+A context without files (``template=None``) copies nothing at any level: ``partial`` and
+``agnostic`` then both build the context for each task from nothing but the loader.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class Partial(Level):
     name = "partial"
 
     def fetch(self, plugin: ContextPlugin) -> None:
-        plugin.template.copy()  # with no manifest from the client (a hub id), from the source
+        if plugin.template.has_files:
+            plugin.template.copy()  # with no manifest from the client (a hub id), from the source
 
 
 class Agnostic(Level):

@@ -103,14 +103,16 @@ class ContextPlugin(WorkerPlugin):
         self._closed = False
         self.strategy = LEVELS[self.level]
         # Fetching while the template is copied (or staged), then loading the context.
-        copies = self.manifest is not None or self.level != "full"
+        copies = self.manifest is not None or (
+            self.level != "full" and self.context.template is not None
+        )
         self.record = ContextStatus(
             worker=worker.address,
             context=self.context.name,
             state=FETCHING if copies else LOADING,
             level=self.level,
             template=self.context.template,
-            location=self.context.template or "",
+            location=self.context.template,
         )
         self.reporter = Reporter(worker, self.record, self._lock)
         self.template = WorkerTemplate(
@@ -120,6 +122,7 @@ class ContextPlugin(WorkerPlugin):
             self.record,
             self._lock,
             self.reporter.changed,
+            self.context.loader,
         )
         self.holder = Holder(
             self.context, self.record, self._lock, self.reporter, self._event.clear

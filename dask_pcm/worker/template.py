@@ -1,13 +1,14 @@
 """A context's template on one worker: copied to local disk, or read per build.
 
-:class:`WorkerTemplate` does what each level needs of the template (the model files):
+:class:`WorkerTemplate` does what each level needs of the template (the files a context is
+built from: a model, or any tree of files; none for a context with ``template=None``):
 
 - :meth:`~WorkerTemplate.copy` (levels ``full`` and ``partial``): copy it chunk by chunk into
   ``pcm.worker.template-directory`` (one copy per host and template:
   :func:`dask_pcm.templates.local.local_copy`) and serve it to peers. A template that
   :func:`dask_pcm.register` could hash (a local path, the embedded model) comes with its
-  manifest and is copied from peers, else the source; one it could not (a hub id) is hashed
-  here and copied from the source, through the same path;
+  manifest and is copied from peers, else the source; one it could not (a hub id) is listed
+  and hashed here and copied from the source, through the same path;
 - :meth:`~WorkerTemplate.read_source` (every build at level ``agnostic``): account one read
   of the source, through the host's source reader (a simulated shared filesystem in tests
   and benchmarks).
@@ -35,7 +36,8 @@ from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.reader import source_reader
 from dask_pcm.templates.report import FetchReport
 from dask_pcm.templates.serve import TemplateStore
-from dask_pcm.templates.sources import resolve_source, template_files
+from dask_pcm.templates.sources import EMBEDDED
+from dask_pcm.templates.tree import TemplateFiles, list_template
 
 if TYPE_CHECKING:
     import threading
@@ -56,13 +58,16 @@ class WorkerTemplate:
     worker
         The worker (its event loop runs the copy).
     template
-        What the user named: a path, a hub id, ``"embedded"``.
+        What the user named: a path, a hub id, ``"embedded"``; None for no files.
     manifest
         The template's chunk manifest (JSON) from the client, or None.
     record, lock
         The context's status record on this worker, and the lock that guards it.
     changed
         Called when the record changed (bytes copied so far, every second of a copy).
+    loader
+        The context's loader: which files of the template travel is its choice
+        (:func:`dask_pcm.templates.tree.list_template`).
     """
 
     def __init__(
@@ -73,8 +78,10 @@ class WorkerTemplate:
         record: ContextStatus,
         lock: threading.Lock,
         changed: Callable[[], None] = lambda: None,
+        loader: Any = None,
     ) -> None:
         self.worker = worker
+        self.loader = loader
         self.template = template
         self.manifest = manifest
         self.record = record
@@ -85,13 +92,24 @@ class WorkerTemplate:
             or Path(worker.local_directory) / "pcm-templates"
         )
 
+    @property
+    def has_files(self) -> bool:
+        """Whether the context has a template at all (``template=None`` has none)."""
+        return self.template is not None
+
+    def files(self) -> TemplateFiles:
+        """The template's files at the source, as the context's loader lists them."""
+        if self.template is None:
+            raise TemplateFetchError(f"context {self.record.context!r} has no template files")
+        return list_template(self.template, self.loader)
+
     def copy(self) -> str:
         """Copy the template to local disk and serve it; where the loader should read it."""
         planner: Planner | None = None  # peers, through the scheduler's chunk directory
         if self.manifest is not None:
             manifest = Manifest.from_json(self.manifest)
         else:  # not hashed by the client (a hub id): hash it here, copy from the source
-            manifest, _ = build_manifest(self.template)
+            manifest, _ = build_manifest(self.files())
             planner = SourcePlanner()
         store = TemplateStore.of(self.worker)
         dest = local_copy(
@@ -101,8 +119,7 @@ class WorkerTemplate:
             trusted=manifest.digest in store.held,
         )
         store.add(dest, manifest)
-        single = manifest.files[0].path if len(manifest.files) == 1 else ""
-        location = str(dest / single) if single.lower().endswith(".gguf") else str(dest)
+        location = str(dest / manifest.entry) if manifest.entry else str(dest)
         with self.lock:
             self.record.template_digest = manifest.digest
             self.record.template_held = True
@@ -160,16 +177,15 @@ class WorkerTemplate:
     def _source_root(self) -> tuple[str | None, str | None]:
         """The folder the manifest's files are relative to, or why there is none."""
         try:
-            resolved = resolve_source(self.template)
+            return str(self.files().root), None
         except Exception as exc:
             return None, f"{type(exc).__name__}: {exc}"
-        root = resolved.path.parent if resolved.kind == "gguf" else resolved.path
-        return str(root), None
 
     def measure_source(self) -> None:
         """Record the bytes one build at level ``agnostic`` reads from the source."""
+        nbytes = _source_bytes(self) if self.has_files else 0
         with self.lock:
-            self.record.template_bytes = _source_bytes(self.template)
+            self.record.template_bytes = nbytes
 
     def read_source(self) -> None:
         """Account one read of the template from the source (every build at ``agnostic``):
@@ -184,11 +200,12 @@ class WorkerTemplate:
             self.record.fetch_seconds += waited
 
 
-def _source_bytes(template: Any) -> int:
-    """Bytes one build reads from a local template source; 0 for hub ids and custom sources."""
-    if not isinstance(template, str) or not (template == "embedded" or os.path.exists(template)):
+def _source_bytes(template: WorkerTemplate) -> int:
+    """Bytes one build reads from a local template source; 0 for hub ids and other strings."""
+    source = template.template
+    if not isinstance(source, str) or not (source == EMBEDDED or os.path.exists(source)):
         return 0
     try:
-        return sum(p.stat().st_size for p in template_files(resolve_source(template)))
+        return sum(p.stat().st_size for p in template.files().paths())
     except Exception:  # the build itself reports an unusable source, with its reason
         return 0
