@@ -19,6 +19,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
+from dask_pcm.batch import BatchResult, run_batch
 from dask_pcm.client import (
     map,
     register,
@@ -33,6 +34,7 @@ from dask_pcm.deploy.local import Nanny, local_cluster
 from dask_pcm.deploy.start import batch_cluster
 from dask_pcm.diagnosis import WorkerReport, doctor
 from dask_pcm.exceptions import (
+    BatchInputError,
     BatchJobError,
     ChunkError,
     ClusterLostError,
@@ -46,6 +48,7 @@ from dask_pcm.exceptions import (
     PCMError,
     PromptTooLongError,
     TemplateFetchError,
+    UnitError,
 )
 from dask_pcm.fever.run import FeverResult, run_fever
 from dask_pcm.loaders.embedded import embedded_model_dir
@@ -59,7 +62,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
 __all__ = [
+    "BatchInputError",
     "BatchJobError",
+    "BatchResult",
     "CausalLM",
     "ChunkError",
     "ClusterLostError",
@@ -78,6 +83,7 @@ __all__ = [
     "PCMError",
     "PromptTooLongError",
     "TemplateFetchError",
+    "UnitError",
     "WorkerReport",
     "__version__",
     "batch_cluster",
@@ -90,6 +96,7 @@ __all__ = [
     "map",
     "register",
     "registered_contexts",
+    "run_batch",
     "run_fever",
     "status",
     "status_page",

@@ -8,6 +8,7 @@ with environment variables such as ``DASK_PCM__WORKER__LOAD_CONCURRENCY=2``.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +83,20 @@ def prefix_cache_bytes() -> int:
     return 0 if not value else int(dask.utils.parse_bytes(value))
 
 
-def fever_flush_interval() -> float:
-    """``pcm.fever.flush-interval`` in seconds."""
-    return _seconds(get("fever.flush-interval"))
+def batch(key: str) -> Any:
+    """``pcm.batch.<key>``; a value the user set under the old name ``pcm.fever.<key>`` wins,
+    with a ``FutureWarning`` (those settings moved when the batch layer left the FEVER app)."""
+    old = dask.config.get(f"pcm.fever.{key}", None)
+    if old is not None:
+        warnings.warn(f"pcm.fever.{key} is now pcm.batch.{key}", FutureWarning, stacklevel=3)
+        return old
+    return get(f"batch.{key}")
 
 
-def fever_task_seconds() -> float:
-    """``pcm.fever.task-seconds`` in seconds."""
-    return _seconds(get("fever.task-seconds"))
+def batch_seconds(key: str) -> float | None:
+    """``pcm.batch.<key>`` in seconds (``None`` when unset)."""
+    value = batch(key)
+    return None if value is None else _seconds(value)
 
 
 def release_timeout() -> float:

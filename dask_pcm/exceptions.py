@@ -93,3 +93,14 @@ class PromptTooLongError(PCMError, ValueError):
     """A prompt cannot fit the model: more tokens than its context holds, or more memory for
     one forward pass than the worker's budget. The message names the template, and the claim
     with its file and line where known."""
+
+
+class BatchInputError(PCMError, ValueError):
+    """The input of a batch run cannot be used: an unreadable file (naming it, and the line
+    for JSON lines), a row without the id column, or an id seen twice (naming both rows)."""
+
+
+class UnitError(PCMError, RuntimeError):
+    """A unit of a batch run failed (``on_error="raise"``): its function raised, or it ran
+    past the timeout. The message names the unit, the worker and the original exception,
+    whose traceback follows."""

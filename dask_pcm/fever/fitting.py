@@ -17,16 +17,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm import client as pcm
+from dask_pcm.batch.watch import watched_result
 from dask_pcm.exceptions import PromptTooLongError
 from dask_pcm.fever.data import ClaimSet
 from dask_pcm.fever.scoring import GENERATE_TOKENS
 from dask_pcm.fever.templates import PromptTemplate
-from dask_pcm.fever.watch import watched_result
 from dask_pcm.loaders.model import count_tokens, max_tokens, prompt_problem
 from dask_pcm.tasks import get_context
 
 if TYPE_CHECKING:
-    import pyarrow as pa
+    import pandas as pd
     from distributed import Client
 
 logger = logging.getLogger(__name__)
@@ -167,33 +167,33 @@ def _too_long(claims: ClaimSet, entry: Any) -> str:
 
 
 class RowErrors:
-    """Counts the rows recorded as errors (and truncated) as units finish, and keeps the
-    first few, named by file and line."""
+    """The rows of a run recorded as errors (and those truncated): how many, and the first
+    few named by file and line.
 
-    def __init__(self, claims: ClaimSet, keep: int = 5) -> None:
-        self.claims = claims
-        self.count = 0
-        self.truncated = 0
-        self.examples: list[str] = []
-        self._keep = keep
-        self._index: dict[Any, int] | None = None
+    Parameters
+    ----------
+    claims
+        The run's claims (where each comes from).
+    rows
+        The run's rows: ``claim_id``, ``template``, ``error`` and ``truncated_tokens``.
+    """
 
-    def add(self, table: pa.Table) -> None:
-        names = table.column_names
-        if "truncated_tokens" in names:
-            self.truncated += sum(1 for t in table.column("truncated_tokens").to_pylist() if t)
-        if "error" not in names or table.column("error").null_count == table.num_rows:
-            return
-        ids = table.column("claim_id").to_pylist()
-        templates = table.column("template").to_pylist()
-        for claim_id, template, error in zip(
-            ids, templates, table.column("error").to_pylist(), strict=True
-        ):
-            if error is None:
-                continue
-            self.count += 1
-            if len(self.examples) < self._keep:
-                if self._index is None:
-                    self._index = {c.id: i for i, c in enumerate(self.claims.claims)}
-                where = self.claims.where(self._index.get(claim_id, -1))
-                self.examples.append(f"{where} under template {template!r}: {error}")
+    def __init__(self, claims: ClaimSet, rows: pd.DataFrame, keep: int = 5) -> None:
+        failed = rows[rows["error"].notna()] if "error" in rows else rows.iloc[:0]
+        self.count = len(failed)
+        cut = rows.get("truncated_tokens")
+        self.truncated = 0 if cut is None else int((cut.fillna(0) > 0).sum())
+        index = {c.id: i for i, c in enumerate(claims.claims)} if self.count else {}
+        self.examples = [
+            f"{claims.where(index.get(r.claim_id, -1))} under template {r.template!r}: {r.error}"
+            for r in failed.head(keep).itertuples()
+        ]
+
+    def warn(self) -> None:
+        """Log one warning when there are error rows."""
+        if self.count:
+            logger.warning(
+                "%d row(s) recorded as errors, without a prediction: %s",
+                self.count,
+                "; ".join(self.examples),
+            )

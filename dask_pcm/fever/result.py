@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dask_pcm.fever.segments import read_predictions
+from dask_pcm.batch.segments import read_predictions
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -29,7 +29,7 @@ class FeverResult:
         One row per claim and template: ``claim_id, template, label, predicted``, the
         scores (``score_<LABEL>`` for method logits, ``generated`` for generate) and
         ``model_digest`` (the model's content digest,
-        :func:`~dask_pcm.fever.units.model_digest`), by template in the run's order. With
+        :func:`dask_pcm.batch.content_digest`), by template in the run's order. With
         ``output``, read from that folder when first used (a run of millions of rows
         keeps none of them in memory until asked).
     report

@@ -1,20 +1,16 @@
-"""The work of a FEVER run: units, the task that scores one, and what its predictions depend on.
+"""The work of a FEVER run: the task that scores a unit of claims under one template.
 
-A *unit* is one (template, batch of claims): one task on a worker, using the resident model
-context :data:`CONTEXT`. Its provenance (:func:`provenance`) is what determines its
-predictions: the model's content (:func:`model_digest`), the loader's options, the method,
-the claims per task, the claims and the template.
+:func:`score_rows` is the task function :func:`~dask_pcm.fever.run.run_fever` gives
+:func:`dask_pcm.run_batch`: it scores one unit's claims under one template with the resident
+model context :data:`CONTEXT` (:func:`score_unit`). :class:`Unit` and :func:`make_units`
+describe the same grid for in-process references (``benchmarks/paper_scale.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask_pcm.fever.data import Claim, ClaimSet
 from dask_pcm.fever.fitting import CONTEXT, truncated
@@ -22,11 +18,8 @@ from dask_pcm.fever.scoring import GENERATE_TOKENS, score_generate, score_logits
 from dask_pcm.fever.templates import PromptTemplate
 from dask_pcm.loaders.model import count_tokens, prompt_problem
 from dask_pcm.tasks import get_context
-from dask_pcm.templates.manifest import build_manifest
-from dask_pcm.templates.sources import resolve_source
 
-if TYPE_CHECKING:
-    import pyarrow as pa
+__all__ = ["CONTEXT", "Unit", "make_units", "score_rows", "score_unit", "template_head"]
 
 
 @dataclass(frozen=True)
@@ -88,63 +81,26 @@ def score_unit(
     ]
 
 
-def _typed(table: pa.Table) -> pa.Table:
-    """``table`` with its text columns typed as text when all their values are missing (a
-    unit of error rows), so that segments and units concatenate to one schema."""
-    import pyarrow as pa
-
-    for name in ("predicted", "error", "generated"):
-        index = table.schema.get_field_index(name)
-        if index >= 0 and pa.types.is_null(table.schema.field(index).type):
-            table = table.set_column(index, name, table.column(name).cast(pa.string()))
-    return table
-
-
-def error_rows(unit: Unit, message: str) -> pa.Table:
-    """The rows of ``unit`` recorded as errors (no prediction), each with ``message``."""
-    import pyarrow as pa
-
-    return _typed(
-        pa.Table.from_pylist(
-            [
-                {
-                    "claim_id": c.id,
-                    "template": unit.template.name,
-                    "label": c.label,
-                    "predicted": None,
-                    "error": message,
-                }
-                for c in unit.claims
-            ]
-        )
-    )
-
-
-def score_units(
+def score_rows(
+    rows: Sequence[dict[str, Any]],
     template: PromptTemplate,
-    units: Sequence[tuple[str, Sequence[Claim]]],
     method: str,
     context: str = CONTEXT,
     prefix_cache: bool = True,
     truncate: bool = False,
-) -> dict[str, Any]:
-    """The task run_fever submits: several units (name, claims) of one template, scored one
-    after the other by :func:`score_unit`.
-
-    Returns ``units``, a list of (name, Arrow table of its rows): compact to send, cheap for
-    Dask to size, and appended to the output as they are; and ``seconds``, the scoring time,
-    from which the client sizes the next tasks.
-    """
-    import pyarrow as pa
-
-    start = time.perf_counter()
-    scored = []
-    for name, claims in units:
-        rows = score_unit(
-            template, claims, method, context=context, prefix_cache=prefix_cache, truncate=truncate
-        )
-        scored.append((name, _typed(pa.Table.from_pylist(rows))))
-    return {"units": scored, "seconds": time.perf_counter() - start}
+    model_digest: str | None = None,
+) -> list[dict[str, Any]]:
+    """The task function of a FEVER run: ``rows`` (``claim_id``, ``claim``, ``label``) scored
+    under ``template`` by :func:`score_unit`; per row ``predicted``, the scores (or the
+    generated text), ``error`` and, with ``truncate``, ``truncated_tokens``; and
+    ``model_digest`` when given."""
+    claims = [Claim(r["claim_id"], r["claim"], r["label"]) for r in rows]
+    scored = score_unit(
+        template, claims, method, context=context, prefix_cache=prefix_cache, truncate=truncate
+    )
+    keys = ("claim_id", "template", "label")  # the batch layer adds them
+    extra = {} if model_digest is None else {"model_digest": model_digest}
+    return [{**{k: v for k, v in row.items() if k not in keys}, **extra} for row in scored]
 
 
 _MARK = "\x00claim\x00"
@@ -165,54 +121,3 @@ def make_units(
         for t in templates
         for i, start in enumerate(range(0, len(claims), claims_per_task))
     ]
-
-
-def provenance(
-    context: Any,
-    claims: ClaimSet,
-    templates: list[PromptTemplate],
-    method: str,
-    claims_per_task: int,
-) -> dict[str, Any]:
-    """What determines this run's predictions, for the output folder (see ``store.py``)."""
-    digest = hashlib.sha256()
-    for c in claims.claims:
-        digest.update(f"{c.id}\t{c.label}\t{c.claim}\n".encode())
-    loader = context.loader
-    options: Any = repr(loader)
-    if dataclasses.is_dataclass(loader) and not isinstance(loader, type):
-        options = dataclasses.asdict(loader)
-    return {
-        "model": context.template,
-        "model_digest": model_digest(context.template),
-        "loader": {"class": type(loader).__qualname__, "options": options},
-        "method": method,
-        "claims_per_task": claims_per_task,
-        "claims": digest.hexdigest(),
-        "templates": {
-            t.name: {"text": t.text, "chat": t.chat, "answers": list(t.answers)} for t in templates
-        },
-    }
-
-
-# Provenance hashes the model in chunks of this size whatever pcm.template.chunk-size is, so
-# that a digest recorded in an output folder does not change with that setting.
-_PROVENANCE_CHUNK = 64 * 2**20
-
-
-def model_digest(model: str | os.PathLike[str] | None) -> str:
-    """The content digest of a model: what it is, whatever path names it.
-
-    For a local directory, ``.gguf`` file or the embedded model, the SHA-256 of its template
-    files (:func:`dask_pcm.templates.manifest.build_manifest`, cached by path, size and modification
-    time); for a hub id, ``hub:<id>@<revision>`` of the local snapshot.
-
-    Raises
-    ------
-    ModelSourceError
-        The model cannot be found (the message names the path).
-    """
-    resolved = resolve_source(model)
-    if resolved.kind == "hub":
-        return f"hub:{resolved.origin}@{resolved.path.name}"
-    return build_manifest(model, _PROVENANCE_CHUNK)[0].digest

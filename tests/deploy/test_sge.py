@@ -214,7 +214,7 @@ def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())["report"]
-    assert report["units"] == {"total": 6, "computed": 6, "reused": 0}
+    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
     assert 1 <= len(report["workers"]) <= 2
     assert sum(w["tasks"] for w in report["workers"]) == 6
     # The run deleted its jobs when it ended (they may still be leaving: state "dr").

@@ -5,7 +5,6 @@ with a memory limit, a worker process that exits, a scheduler process that is ki
 from __future__ import annotations
 
 import json
-import os
 import resource
 import signal
 import subprocess
@@ -19,14 +18,11 @@ import pytest
 from distributed import Client
 
 import dask_pcm
+from dask_pcm.batch.segments import read_predictions
 from dask_pcm.exceptions import ClusterLostError, PromptTooLongError
-from dask_pcm.fever import demo_claims
 from dask_pcm.fever.data import write_demo
-from dask_pcm.fever.dispatch import Dispatch
 from dask_pcm.fever.run import run_fever
-from dask_pcm.fever.segments import read_predictions
-from dask_pcm.fever.templates import get_templates
-from dask_pcm.fever.units import CONTEXT, make_units, score_unit, score_units
+from dask_pcm.fever.units import score_unit
 
 LONG = 200_000  # characters: ~100,000 tokens for the tiny model, whose context holds 512
 
@@ -109,50 +105,6 @@ def test_a_template_too_long_for_the_model_is_refused_before_any_work(
         )
 
 
-def _crash_on_poison(template, units, method, **options):
-    """score_units, but a worker that meets the claim "POISON" dies on the spot (as one
-    killed by the kernel's memory killer would), noting it in the file POISON_LOG names."""
-    if any(c.claim == "POISON" for _, claims in units for c in claims):
-        with open(os.environ["POISON_LOG"], "a") as f:
-            f.write(f"{os.getpid()}\n")
-        os._exit(1)
-    return score_units(template, units, method, **options)
-
-
-def test_a_row_that_kills_its_worker_costs_that_row_only(tiny_model_dir, tmp_path, monkeypatch):
-    """It used to cost the whole run: KilledWorker after allowed-failures + 1 worker deaths
-    per submission, three submissions, then a raw traceback; neighbours failed with it."""
-    log = tmp_path / "deaths.log"
-    monkeypatch.setenv("POISON_LOG", str(log))  # the worker processes inherit it
-    claims = demo_claims()
-    poisoned = claims.claims[5]
-    claims.claims[5] = type(poisoned)(poisoned.id, "POISON", poisoned.label)
-    units = make_units(get_templates(["direct"], None), claims, 4)
-    got: dict[str, object] = {}
-    with (
-        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name=CONTEXT))
-        dispatch = Dispatch(
-            client,
-            units,
-            {"method": "logits", "prefix_cache": True},
-            lambda name, table: got.setdefault(name, table.to_pylist()),
-            task=_crash_on_poison,
-        )
-        dispatch.run()
-    rows = [row for unit in got.values() for row in unit]
-    assert sorted(r["claim_id"] for r in rows) == list(range(1, 31))  # every row, once
-    failed = [r for r in rows if r["error"]]
-    assert [r["claim_id"] for r in failed] == [poisoned.id]
-    assert all(r["predicted"] for r in rows if not r["error"])
-    # Deaths: its unit, its row among the unit's pieces, then the row twice in quarantine
-    # (alone on the cluster): four, not a restart loop.
-    assert len(log.read_text().split()) == 4
-    assert dispatch.lost_rows == 1
-
-
 RELEASE = threading.Event()
 
 
@@ -189,7 +141,7 @@ def test_finished_units_are_written_on_time_while_a_unit_never_returns(
         except BaseException as exc:
             outcome["error"] = exc
 
-    with dask.config.set({"pcm.fever.flush-interval": "0.5s", "pcm.fever.task-seconds": 0}):
+    with dask.config.set({"pcm.batch.flush-interval": "0.5s", "pcm.batch.task-seconds": 0}):
         thread = threading.Thread(target=run)
         thread.start()
         try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_pcm.fever.store import read_predictions
+from dask_pcm.batch.store import read_predictions
 
 CLAIMS = 100
 TEMPLATES = ["direct", "yes-no"]

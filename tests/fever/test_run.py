@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import dask
 import pandas as pd
 import pytest
-from distributed.scheduler import KilledWorker
 
 import dask_pcm
+from dask_pcm.batch.segments import read_footer
 from dask_pcm.fever import LABELS
 from dask_pcm.fever.run import CONTEXT, run_fever
-from dask_pcm.fever.segments import read_footer
-from dask_pcm.fever.units import score_unit
 
 
 @pytest.fixture
@@ -37,7 +33,7 @@ def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_
         group = pred[pred["template"] == row.template]
         assert row.accuracy == pytest.approx((group["predicted"] == group["label"]).mean())
     report = result.report
-    assert report["units"] == {"total": 12, "computed": 12, "reused": 0}
+    assert report["units"] == {"total": 12, "computed": 12, "reused": 0, "failed": 0}
     assert sum(w["tasks"] for w in report["workers"]) == 12
     assert all(w["loads"] == 1 for w in report["workers"])
     # The context stays on a cluster the user passed in: a second run does not reload it.
@@ -70,7 +66,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
     options = dict(
         model=tiny_model_dir, cluster=client, num_templates=2, claims_per_task=8, output=out
     )
-    with dask.config.set({"pcm.fever.segment-rows": 16}):  # two units of 8 claims per file
+    with dask.config.set({"pcm.batch.segment-rows": 16}):  # two units of 8 claims per file
         first = run_fever(progress=False, **options)
         parts = sorted(out.glob("*.parquet"))
         assert len(parts) in (3, 4)  # units of 8, 8, 8 and 6 claims, as they finish
@@ -78,7 +74,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
         lost = len(read_footer(parts[0]).units)
         parts[0].unlink()  # as if the run had been killed before these units were written
         second = run_fever(progress=False, **options)
-    assert second.report["units"] == {"total": 8, "computed": lost, "reused": 8 - lost}
+    assert second.report["units"] == {"total": 8, "computed": lost, "reused": 8 - lost, "failed": 0}
     assert sum(w["tasks"] for w in second.report["workers"]) == second.report["tasks"] <= lost
     assert len(second.predictions) == 60
     assert not second.predictions.duplicated(["claim_id", "template"]).any()
@@ -86,7 +82,7 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
     assert first.predictions.sort_values(key, ignore_index=True).equals(
         second.predictions.sort_values(key, ignore_index=True)
     )
-    with pytest.raises(ValueError, match="claims_per_task differs"):
+    with pytest.raises(ValueError, match="rows_per_unit differs"):
         run_fever(
             model=tiny_model_dir, cluster=client, claims_per_task=4, output=out, progress=False
         )
@@ -112,53 +108,3 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
         run_fever(cluster=client, method="vote")
     with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor'"):
         run_fever(model=tiny_model_dir, cluster="slurm", num_templates=1)
-
-
-LOST: dict[tuple[str, int], int] = {}  # tries per piece, shared with the in-process workers
-GONE = SimpleNamespace(address="tcp://10.0.0.1:1")  # the last worker that "died"
-
-
-def _unlucky(template, claims, method, **options):
-    """The first try of every piece (its first claim and size) loses its worker."""
-    piece = (claims[0].id, len(claims))
-    LOST[piece] = LOST.get(piece, 0) + 1
-    if LOST[piece] == 1:
-        raise KilledWorker(f"fever-{claims[0].id}", GONE, 3)
-    return score_unit(template, claims, method, **options)  # the real one
-
-
-def _poisoned(template, claims, method, **options):
-    """Claim 5 loses its worker every time; the others are scored."""
-    if any(c.id == 5 for c in claims):
-        raise KilledWorker("fever-x", GONE, 3)
-    return score_unit(template, claims, method, **options)
-
-
-def test_units_lost_with_their_workers_are_split_and_run_again(client, tiny_model_dir, monkeypatch):
-    """A task lost with its worker (KilledWorker) runs again in smaller pieces, down to
-    single rows, which get a second try: bad luck costs no row. A row lost every time is
-    recorded as an error row, and the run goes on (it used to end the run)."""
-    import dask_pcm.fever.units as units_module
-
-    LOST.clear()
-    monkeypatch.setattr(units_module, "score_unit", _unlucky)
-    result = run_fever(
-        model=tiny_model_dir, cluster=client, num_templates=1, claims_per_task=10, progress=False
-    )
-    assert len(result.predictions) == 30
-    assert result.predictions["error"].isna().all()
-    assert result.report["row_errors"] == 0
-    assert (1, 10) in LOST and (1, 3) in LOST and (1, 1) in LOST  # 10 -> 3 -> 1 rows
-
-    monkeypatch.setattr(units_module, "score_unit", _poisoned)
-    result = run_fever(
-        model=tiny_model_dir, cluster=client, num_templates=1, claims_per_task=10, progress=False
-    )
-    predictions = result.predictions.sort_values("claim_id")
-    assert list(predictions["claim_id"]) == list(range(1, 31))  # every row, once
-    failed = predictions[predictions["error"].notna()]
-    assert list(failed["claim_id"]) == [5]
-    assert "its worker died each of the 2 times" in failed["error"].iloc[0]
-    assert result.report["row_errors"] == 1
-    assert result.summary["errors"].tolist() == [1]
-    assert result.summary["n"].tolist() == [29]

@@ -6,12 +6,19 @@ import dask
 import pytest
 
 import dask_pcm
-from dask_pcm.fever import demo_claims
-from dask_pcm.fever.dispatch import MAX_UNITS_PER_TASK, Dispatch
-from dask_pcm.fever.templates import get_templates
-from dask_pcm.fever.units import CONTEXT, make_units
+from dask_pcm.batch.dispatch import MAX_UNITS_PER_TASK, Dispatch
+from dask_pcm.batch.units import Layout, Work, make_units
 
-OPTIONS = {"method": "logits", "prefix_cache": True}
+CONTEXT = "llm"
+
+
+def _tokens(rows, suffix=""):
+    lm = dask_pcm.get_context(CONTEXT)
+    with lm.lock:
+        return [{"tokens": len(lm.tokenizer(r["text"] + suffix)["input_ids"])} for r in rows]
+
+
+WORK = Work(_tokens, contexts=(CONTEXT,), layout=Layout("id", "group"))
 
 
 @pytest.fixture
@@ -23,7 +30,8 @@ def cluster(inproc_cluster, tiny_model_dir):
 
 
 def _units(per_task: int = 1):
-    return make_units(get_templates(["direct", "one-word"], None), demo_claims(), per_task)
+    rows = [{"id": i, "text": f"claim {i}"} for i in range(30)]
+    return make_units(rows, per_task, {"a": {}, "b": {"suffix": "!"}})
 
 
 def test_no_more_tasks_than_the_limit_reach_the_scheduler(cluster):
@@ -34,13 +42,13 @@ def test_no_more_tasks_than_the_limit_reach_the_scheduler(cluster):
     got: list[str] = []
 
     def finished(name, table):
-        tasks = [t for k, t in cluster.scheduler.tasks.items() if str(k).startswith("fever-")]
+        tasks = [t for k, t in cluster.scheduler.tasks.items() if str(k).startswith("pcm-")]
         running.append(sum(t.state != "memory" for t in tasks))
         held.append(len(tasks))  # results not yet released count too
         got.append(name)
 
     units = _units()
-    dispatch = Dispatch(client, units, OPTIONS, finished, in_flight=3)
+    dispatch = Dispatch(client, units, WORK, finished, in_flight=3)
     dispatch.run()
     assert sorted(got) == sorted(u.name for u in units)  # every unit, once
     assert max(running) <= 3
@@ -51,12 +59,12 @@ def test_units_are_packed_into_fewer_tasks_as_their_time_is_learned(cluster):
     _, client = cluster
     units = _units()
     got: dict[str, int] = {}
-    with dask.config.set({"pcm.fever.task-seconds": 60}):  # as many as the limits allow
+    with dask.config.set({"pcm.batch.task-seconds": 60}):  # as many as the limits allow
         dispatch = Dispatch(
-            client, units, OPTIONS, lambda n, t: got.update({n: t.num_rows}), in_flight=1
+            client, units, WORK, lambda n, t: got.update({n: t.num_rows}), in_flight=1
         )
         dispatch.run()
-    assert got == {u.name: len(u.claims) for u in units}
+    assert got == {u.name: len(u.rows) for u in units}
     # First one unit (nothing measured yet), then shares of what is left per worker thread.
     assert dispatch.tasks < len(units) / 2
     assert dispatch.units_per_task() > 1 or not dispatch.queue
@@ -69,7 +77,7 @@ def test_units_per_task_follows_the_measured_time():
             return {"a": 1, "b": 1}
 
     units = _units()
-    dispatch = Dispatch(FakeClient(), units * 100, OPTIONS, lambda n, t: None)
+    dispatch = Dispatch(FakeClient(), units * 100, WORK, lambda n, t: None)
     assert dispatch.units_per_task() == 1  # nothing measured yet
     dispatch._learn(seconds=0.5, units=5)  # 0.1 s per unit, 1 s per task wanted
     assert dispatch.units_per_task() == 10

@@ -1,8 +1,8 @@
-"""The output folder of :func:`~dask_pcm.run_fever`: finished units appended to a few segments.
+"""The output folder of a batch run: finished units appended to a few Parquet segments.
 
-A run that is killed keeps what it finished; rerunning the same command computes only the
-missing units, and no row is ever written twice. At the paper's size (145,449 claims x 10
-templates, 90,910 units of 16 claims) that must not mean one file per unit: a shared
+A run that is killed keeps what it finished; rerunning the same call computes only the
+missing units, and no row is ever written twice. At scale (say 145,449 claims x 10 prompt
+templates, 90,910 units of 16 rows) that must not mean one file per unit: a shared
 filesystem's inode quota, and every resume listing them all. What this module does:
 
 - **Only its own folders.** A folder that is not empty and holds no ``_dask_pcm_run.json``
@@ -12,15 +12,16 @@ filesystem's inode quota, and every resume listing them all. What this module do
 - **One run at a time.** The folder is locked (``flock`` on ``.dask-pcm-run.lock``, released
   by the kernel when the run's process dies) for the whole run; a second run on the same
   folder fails at once, naming the process that holds it.
-- **Provenance, not paths.** ``_dask_pcm_run.json`` records what determines a prediction: the
-  model's content digest (for a hub id, its revision), the loader's options, the scoring
-  method, the claims per task (they draw the units), the claims' digest and each template's text,
-  chat flag and answers. A rerun compares those: the same model by another path resumes;
-  anything that changed refuses, naming each difference. Every row carries ``model_digest``.
+- **Provenance, not paths.** ``_dask_pcm_run.json`` records what determines the results
+  (:mod:`dask_pcm.batch.provenance`: the contexts' content digests, the function and its
+  arguments, the rows per unit, the input's digest, each group's parameters, and whatever
+  the caller adds). A rerun compares them: the same model by another path resumes; anything
+  that changed refuses, naming each difference.
 - **Segments.** Finished units are appended to the open segment
-  (:mod:`dask_pcm.fever.segments`); it is written out, atomically and durably, when it
-  reaches ``pcm.fever.segment-rows`` rows (and a new one begins), and rewritten whole at least
-  every ``pcm.fever.flush-interval`` while it fills, and when the run ends or fails. A killed
+  (:mod:`dask_pcm.batch.segments`); it is written out, atomically and durably, when it
+  reaches ``pcm.batch.segment-rows`` rows (and a new one begins), and rewritten whole at least
+  every ``pcm.batch.flush-interval`` while it fills (:meth:`OutputStore.flush_if_due`, called
+  on a timer), and when the run ends or fails. A killed
   run loses at most that interval's (or segment's) finished units; the unit list goes into
   the segment's footer and then into ``_dask_pcm_index.jsonl``, which a resume reads instead
   of opening every file.
@@ -33,27 +34,38 @@ filesystem's inode quota, and every resume listing them all. What this module do
   file and the error, and leaves no temporary file: the same command, run again once the
   cause is fixed, resumes from the units already written.
 
-``pandas.read_parquet(folder)`` reads the predictions: hidden and ``_``-prefixed files are
-skipped by pyarrow.
+- **Errors apart.** Units that failed (``on_error="skip"``) are listed in
+  ``_dask_pcm_errors.jsonl`` (:meth:`OutputStore.add_error`), rewritten with the segment; they
+  do not count as done, so a rerun tries them again, and one that succeeds leaves the list.
+
+``pandas.read_parquet(folder)`` reads the rows: hidden and ``_``-prefixed files are skipped by
+pyarrow.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import re
 import socket
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config, locks
-from dask_pcm.exceptions import OutputFolderError
-from dask_pcm.fever.provenance import differences
-from dask_pcm.fever.segments import (
+from dask_pcm.batch.files import (
+    ERRORS,
+    LOCK,
+    MANIFEST,
+    QUOTED_NAMES,
+    read_errors,
+    refuse_foreign,
+    remove_temporary,
+    write_atomically,
+    write_failed,
+)
+from dask_pcm.batch.provenance import differences, merged
+from dask_pcm.batch.segments import (
     INDEX,
     UNITS_KEY,
     Segment,
@@ -63,20 +75,15 @@ from dask_pcm.fever.segments import (
     segment_name,
     segment_number,
 )
-from dask_pcm.fever.segments import read_predictions as read_predictions  # where it was
+from dask_pcm.batch.segments import read_predictions as read_predictions  # where it was
+from dask_pcm.exceptions import OutputFolderError
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dask-pcm-fever-output/4"
-MANIFEST = "_dask_pcm_run.json"
-LOCK = ".dask-pcm-run.lock"
-# The temporary files _write_atomically names (``.<name>.<pid>.<random>.tmp``).
-TEMPORARY = re.compile(r"\..+\.\d+\.[0-9a-f]{8}\.tmp")
-# How many of a foreign folder's names an error quotes.
-_QUOTED_NAMES = 5
+FORMAT = "dask-pcm-batch-output/1"
 
 
 class OutputStore:
@@ -87,10 +94,10 @@ class OutputStore:
     root
         The folder (created with its parents if missing).
     provenance
-        What determines this run's predictions (see the module docstring); ``model`` in it
-        is informative only (how the user named the model), never compared.
+        What determines this run's results (:mod:`dask_pcm.batch.provenance`: every key is
+        compared on a resume but ``info``; ``groups`` entry by entry).
     segment_rows, flush_interval
-        Default ``pcm.fever.segment-rows`` and ``pcm.fever.flush-interval``.
+        Default ``pcm.batch.segment-rows`` and ``pcm.batch.flush-interval``.
 
     Example
     -------
@@ -108,12 +115,11 @@ class OutputStore:
     ) -> None:
         self.root = Path(root)
         self.provenance = {"format": FORMAT, **provenance}
-        self.segment_rows = segment_rows or int(config.get("fever.segment-rows"))
+        self.segment_rows = segment_rows or int(config.batch("segment-rows"))
         if self.segment_rows < 1:
-            raise ValueError(f"pcm.fever.segment-rows must be at least 1, not {self.segment_rows}")
-        self.flush_interval = (
-            config.fever_flush_interval() if flush_interval is None else flush_interval
-        )
+            raise ValueError(f"pcm.batch.segment-rows must be at least 1, not {self.segment_rows}")
+        interval = config.batch_seconds("flush-interval")
+        self.flush_interval = (interval or 0.0) if flush_interval is None else flush_interval
         self._lock: int | None = None
         self._segments: dict[str, Segment] = {}
         self._units: set[str] = set()
@@ -121,6 +127,8 @@ class OutputStore:
         self._tables: list[pa.Table] = []
         self._unindexed: list[str] = []
         self._flushed_at = time.monotonic()
+        self._errors: dict[str, dict[str, Any]] = {}
+        self._errors_changed = False
 
     def __enter__(self) -> OutputStore:
         self.open()
@@ -156,6 +164,7 @@ class OutputStore:
             remove_temporary(self.root)
             self._check_provenance()
             self._load_segments()
+            self._errors = read_errors(self.root / ERRORS)
         except BaseException:
             self.close()
             raise
@@ -188,9 +197,8 @@ class OutputStore:
                     + "; ".join(changed)
                     + f". Give another folder, or delete {self.root} to start over."
                 )
-            # Templates of earlier runs stay listed: their parts are still in the folder.
-            new = {**new, "templates": {**old["templates"], **new["templates"]}}
-        self._write_atomically(manifest, json.dumps(new, indent=1).encode())
+            new = merged(old, new)
+        write_atomically(self.root, manifest, json.dumps(new, indent=1).encode())
 
     def done(self) -> set[str]:
         """The units already written (in earlier runs, or by this one so far)."""
@@ -205,6 +213,8 @@ class OutputStore:
         """
         if unit in self._units:
             raise ValueError(f"unit {unit} is already in {self.root}")
+        if self._errors.pop(unit, None) is not None:
+            self._errors_changed = True
         self._units.add(unit)
         self._open.units[unit] = table.num_rows
         self._tables.append(table)
@@ -228,7 +238,8 @@ class OutputStore:
         >>> store.flush_if_due()   # doctest: +SKIP
         False
         """
-        if not self._unindexed or time.monotonic() - self._flushed_at < self.flush_interval:
+        pending = self._unindexed or self._errors_changed
+        if not pending or time.monotonic() - self._flushed_at < self.flush_interval:
             return False
         self.flush()
         return True
@@ -239,6 +250,10 @@ class OutputStore:
         import pyarrow.parquet as pq
 
         self._flushed_at = time.monotonic()
+        if self._errors_changed:
+            lines = "".join(json.dumps(e, default=str) + "\n" for e in self._errors.values())
+            write_atomically(self.root, self.root / ERRORS, lines.encode())
+            self._errors_changed = False
         if not self._unindexed:
             return
         table = pa.concat_tables(self._tables, promote_options="default")
@@ -246,11 +261,22 @@ class OutputStore:
         buffer = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata(metadata), buffer)
         data = buffer.getvalue().to_pybytes()
-        self._write_atomically(self.root / self._open.name, data)
+        write_atomically(self.root, self.root / self._open.name, data)
         self._open.bytes = len(data)
         self._segments[self._open.name] = self._open
         self._append_index(self._open.entry(self._unindexed))
         self._unindexed = []
+
+    def add_error(self, unit: str, record: dict[str, Any]) -> None:
+        """Record that ``unit`` failed (``record``: JSON-able, e.g. the exception, traceback,
+        worker and attempt); written with the segment, replaced by a later failure of the same
+        unit, dropped when it succeeds. A failed unit is not done: a rerun tries it again."""
+        self._errors[unit] = {"unit": unit, **record}
+        self._errors_changed = True
+
+    def errors(self) -> dict[str, dict[str, Any]]:
+        """The failed units (name -> record), of earlier runs and this one, not yet redone."""
+        return dict(self._errors)
 
     @property
     def files(self) -> int:
@@ -275,14 +301,14 @@ class OutputStore:
                 "Output folder %s also holds files dask_pcm did not write (%s): "
                 "pandas.read_parquet(%s) would read them too; they are left alone",
                 self.root,
-                ", ".join(sorted(foreign)[:_QUOTED_NAMES]),
+                ", ".join(sorted(foreign)[:QUOTED_NAMES]),
                 self.root,
             )
         segments, changed = reconcile(self.root)
         self._segments = segments
         self._units = {u for s in segments.values() for u in s.units}
         if changed:
-            self._write_atomically(self.root / INDEX, index_text(segments.values()).encode())
+            write_atomically(self.root, self.root / INDEX, index_text(segments.values()).encode())
         self._begin_segment()
         self._flushed_at = time.monotonic()
 
@@ -307,77 +333,3 @@ class OutputStore:
                 os.close(fd)
         except OSError as exc:
             raise write_failed(self.root, path, exc) from exc
-
-    def _write_atomically(self, path: Path, data: bytes) -> None:
-        if path.parent != self.root:
-            raise OutputFolderError(f"refusing to write {path}: outside {self.root}")
-        tmp = self.root / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            if isinstance(exc, OSError):
-                raise write_failed(self.root, path, exc) from exc
-            raise
-        _fsync_directory(self.root)
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make a rename in ``path`` durable (where the filesystem supports it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
-def refuse_foreign(root: Path) -> None:
-    """Refuse a folder that is not empty and holds no manifest: not written by dask_pcm.
-
-    A run killed between taking the lock and writing the manifest leaves only the lock
-    and temporary files; that folder is ours."""
-    try:
-        names = sorted(os.listdir(root))
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise OutputFolderError(f"output folder {root} cannot be listed: {exc}") from exc
-    if MANIFEST in names:
-        return
-    foreign = [n for n in names if n != LOCK and not TEMPORARY.fullmatch(n)]
-    if foreign:
-        more = len(foreign) - _QUOTED_NAMES
-        raise OutputFolderError(
-            f"output folder {root} was not written by dask_pcm (no {MANIFEST}) and "
-            f"holds {len(foreign)} file(s): {', '.join(foreign[:_QUOTED_NAMES])}"
-            + (f" and {more} more" if more > 0 else "")
-            + "; give an empty or new folder"
-        )
-
-
-def write_failed(root: Path, path: Path, exc: OSError) -> OutputFolderError:
-    """The error for a write of ``path`` that failed: what failed, and how to go on."""
-    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    reason = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
-    return OutputFolderError(
-        f"output folder {root}: writing {path.name} failed: {reason}. "
-        + ("Free space" if full else "Fix that")
-        + ", then run the same command again: finished units already written are kept"
-    )
-
-
-def remove_temporary(root: Path) -> None:
-    # We hold the lock: our temporary files here belong to runs that died.
-    for stale in root.glob(".*.tmp"):
-        if TEMPORARY.fullmatch(stale.name):
-            stale.unlink(missing_ok=True)
-            logger.info("Removed %s, left by a run that did not finish", stale)

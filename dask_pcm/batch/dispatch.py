@@ -1,15 +1,15 @@
-"""Sending a FEVER run's units to the cluster, and their rows to the output as they return.
+"""Sending a batch run's units to the cluster, and their rows to the output as they return.
 
 Three things keep a run of 90,910 units cheap on the client, the scheduler and per unit:
 
-- **Packed tasks.** One task scores several consecutive units of one template
-  (:func:`~dask_pcm.fever.units.score_units`), as many as take about ``pcm.fever.task-seconds``
+- **Packed tasks.** One task runs several consecutive units of one group
+  (:func:`~dask_pcm.batch.units.run_units`), as many as take about ``pcm.batch.task-seconds``
   by the scoring time the tasks report (one unit per task until the first returns, 64 at
   most). With a small model, a unit of 16 claims takes milliseconds, about what Dask spends
   on a task (messages, transitions, the result's trip back); packing keeps that cost a small
   part of the work on fast GPUs and slow CPUs alike. Units stay the grain of the output and
   of a resume. Near the end, tasks shrink so that every worker thread gets a share.
-- **Waves.** At most ``pcm.fever.tasks-in-flight`` tasks (default 4 per worker thread, at
+- **Waves.** At most ``pcm.batch.tasks-in-flight`` tasks (default 4 per worker thread, at
   least 64) are submitted and not yet returned; the rest of the units wait on the client as
   plain objects. The scheduler never holds the whole grid, and a finished task's result is
   written and released before the next is sent.
@@ -33,19 +33,23 @@ What a long run survives:
   dispatch calls ``on_tick`` (the output store writes its open segment when due) and, where
   the cluster has one, its ``raise_if_stuck()`` (a batch cluster whose jobs are rejected
   fails the run with the batch system's message instead of waiting forever).
+- **A unit whose function raises** is reported (``on_error``); the other units of its task
+  are kept.
+- **A task past its timeout** (``timeout``, ``pcm.batch.task-timeout``; measured from when it
+  started running, as the workers' heartbeats report) has its units reported as timed out,
+  and its worker is restarted through its nanny: a thread cannot be stopped, and a stuck one
+  would hold the worker's contexts. Without a nanny the worker is left as it is, with a
+  warning. The other tasks lost with the restart run again; none is blamed.
 - **A lost scheduler** ends the run with :class:`~dask_pcm.exceptions.ClusterLostError`
   naming the scheduler's address.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import dask
@@ -55,108 +59,86 @@ from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
 from dask_pcm import config, protocol
-from dask_pcm.fever import units as fever_units
-from dask_pcm.fever.units import CONTEXT, Unit
-from dask_pcm.fever.watch import TICK, check_cluster, scheduler_lost
+from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
+from dask_pcm.batch.pieces import Piece, Task, after_loss, task_key
+from dask_pcm.batch.units import Unit, Work, error_rows, run_units
+from dask_pcm.batch.watch import TICK, check_cluster, next_batch, scheduler_lost
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
-#: Units one task scores at most.
+#: Units one task runs at most.
 MAX_UNITS_PER_TASK = 64
 #: Tasks in flight at least, whatever the cluster's size: enough queued work for an adaptive
 #: cluster to ask for more workers.
 MIN_IN_FLIGHT = 64
 # Seconds between asking the scheduler how many worker threads there are.
 _THREADS_EVERY = 2.0
-# Pieces a lost piece of several rows is split into.
-_SPLIT = 4
-# Times a single row may be lost with its worker before it is recorded as an error.
-_ROW_LOSSES = 2
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Rows ``start ..`` of a unit: the whole unit, or a part of one that was lost."""
-
-    unit: Unit
-    start: int = 0
-    losses: int = 0  # times lost with its worker as a single row in quarantine
-
-    @property
-    def rows(self) -> int:
-        return len(self.unit.claims)
-
-
-@dataclass
-class _Task:
-    pieces: list[_Piece]
-    alone: bool = False  # run from quarantine, with nothing else of the run in flight
 
 
 class Dispatch:
-    """Score ``todo`` on ``client``; ``on_unit(name, table)`` receives each finished unit.
+    """Run ``todo`` on ``client``; ``on_unit(name, table)`` receives each finished unit.
 
     Parameters
     ----------
     client
-        A client whose cluster has the :data:`~dask_pcm.fever.units.CONTEXT` registered.
+        A client whose cluster has ``work.contexts`` registered.
     todo
-        The units, in the order they should run (consecutive units of one template are
-        packed together).
-    options
-        Keyword arguments of :func:`~dask_pcm.fever.units.score_units` (``method``,
-        ``prefix_cache``).
+        The units, in the order they should run (consecutive units of one group are packed
+        together).
+    work
+        The function, its arguments, contexts, output layout and timeout.
+    on_unit
+        Called with each finished unit's name and rows.
+    on_error
+        Called with the name and a record (``type``, ``message``, ``traceback``, ``worker``,
+        ``attempt``) of each unit whose function raised or that timed out; it may raise to
+        stop the run. Default: raise :class:`UnitError`.
     progress
-        Called with the number of units just finished.
+        Called with the number of units just finished (failed ones included).
     in_flight
-        Tasks in flight at most; default ``pcm.fever.tasks-in-flight``.
+        Tasks in flight at most; default ``pcm.batch.tasks-in-flight``.
     on_tick
         Called about every second from the loop, whether or not a task returned (the
         output store's ``flush_if_due``).
-    task
-        The task function (default :func:`~dask_pcm.fever.units.score_units`).
-    error_rows
-        ``error_rows(unit, message)``: the rows recorded for a unit (one row) that killed
-        its workers (default :func:`~dask_pcm.fever.units.error_rows`).
     """
 
     def __init__(
         self,
         client: Client,
         todo: list[Unit],
-        options: dict[str, Any],
+        work: Work,
         on_unit: Callable[[str, pa.Table], None],
+        on_error: Callable[[str, dict[str, Any]], None] | None = None,
         progress: Callable[[int], None] = lambda n: None,
         in_flight: int | None = None,
         on_tick: Callable[[], Any] = lambda: None,
-        task: Callable[..., dict[str, Any]] = fever_units.score_units,
-        error_rows: Callable[[Unit, str], pa.Table] = fever_units.error_rows,
     ) -> None:
         self.client = client
         self.queue: deque[Unit] = deque(todo)
-        self.options = options
+        self.work = work
         self.on_unit = on_unit
+        self.on_error = on_error or raise_unit_error
         self.progress = progress
         self.on_tick = on_tick
-        self.task = task
-        self.error_rows = error_rows
-        configured = in_flight or config.get("fever.tasks-in-flight")
+        configured = in_flight or config.batch("tasks-in-flight")
         self._fixed_in_flight = int(configured) if configured else None
-        self.task_seconds = config.fever_task_seconds()
+        self.task_seconds = config.batch_seconds("task-seconds") or 0.0
         self.unit_seconds: float | None = None
         self.tasks = 0  # submitted, resubmissions included
         self.lost_rows = 0  # rows recorded as errors because they killed their workers
+        self.failed_units = 0  # units whose function raised, or that timed out
         self._waves = 0
         self._threads = 1
         self._threads_at = -_THREADS_EVERY
-        self._running: dict[Future, _Task] = {}
-        self._retry: deque[_Piece] = deque()  # pieces of lost tasks, each a task of its own
-        self._quarantine: deque[_Piece] = deque()  # lost single rows, run one at a time
+        self._running: dict[Future, Task] = {}
+        self._retry: deque[Piece] = deque()  # pieces of lost tasks, each a task of its own
+        self._quarantine: deque[Piece] = deque()  # lost single rows, run one at a time
         self._parts: dict[str, list[tuple[int, pa.Table]]] = {}
-        self._totals = {u.name: len(u.claims) for u in todo}  # rows of each unit
+        self._totals = {u.name: len(u.rows) for u in todo}  # rows of each unit
+        self._attempts: dict[str, int] = {}
         self._ticked = time.monotonic()
 
     # -- sizing -----------------------------------------------------------------------------
@@ -188,40 +170,47 @@ class Dispatch:
         self.unit_seconds = per_unit if old is None else 0.7 * old + 0.3 * per_unit
 
     # -- submitting -------------------------------------------------------------------------
-    def _next_tasks(self) -> list[_Task]:
+    def _next_tasks(self) -> list[Task]:
         if self._quarantine:
             # Nothing else in flight, so that a worker that dies now died of this row.
             if self._running:
                 return []
-            return [_Task([self._quarantine.popleft()], alone=True)]
-        tasks: list[_Task] = []
+            return [Task([self._quarantine.popleft()], alone=True)]
+        tasks: list[Task] = []
         while self._retry and len(self._running) + len(tasks) < self.in_flight():
-            tasks.append(_Task([self._retry.popleft()]))
+            tasks.append(Task([self._retry.popleft()]))
         while self.queue and len(self._running) + len(tasks) < self.in_flight():
             size = self.units_per_task()
             first = self.queue.popleft()
             pack = [first]
-            while self.queue and len(pack) < size and self.queue[0].template is first.template:
+            while self.queue and len(pack) < size and self.queue[0].group == first.group:
                 pack.append(self.queue.popleft())
-            tasks.append(_Task([_Piece(u) for u in pack]))
+            tasks.append(Task([Piece(u) for u in pack]))
         return tasks
 
-    def _submit(self, tasks: list[_Task]) -> list[Future]:
+    def _submit(self, tasks: list[Task]) -> list[Future]:
         if not tasks:
             return []
         self._waves += 1
+        work = self.work
+        for task in tasks:
+            for piece in task.pieces:
+                self._attempts[piece.unit.name] = self._attempts.get(piece.unit.name, 0) + 1
         # Given up at the first worker that dies running it: the loop splits it then.
         with dask.annotate(**{protocol.LOSSES_ANNOTATION: 1}):
             futures = pcm.map(
                 self.client,
-                self.task,
-                [t.pieces[0].unit.template for t in tasks],
-                [[(p.unit.name, list(p.unit.claims)) for p in t.pieces] for t in tasks],
-                context=CONTEXT,
-                key=[_key(t) for t in tasks],
+                run_units,
+                [work.fn] * len(tasks),
+                [[(p.unit.name, list(p.unit.rows)) for p in t.pieces] for t in tasks],
+                [t.pieces[0].unit.group for t in tasks],
+                [t.pieces[0].unit.params for t in tasks],
+                kwargs=dict(work.kwargs),
+                layout=work.layout,
+                context=list(work.contexts),
+                key=[task_key(t) for t in tasks],
                 priority=-self._waves,  # earlier waves first
                 pure=False,
-                **self.options,
             )
         self.tasks += len(tasks)
         self._running.update(zip(futures, tasks, strict=True))
@@ -234,7 +223,7 @@ class Dispatch:
         try:
             queue = as_completed(self._submit(self._next_tasks()))
             while not queue.is_empty():
-                batch = _next_batch(queue, TICK)
+                batch = next_batch(queue, TICK)
                 if batch:
                     self._collect(batch, queue)
                     queue.update(self._submit(self._next_tasks()))
@@ -254,6 +243,9 @@ class Dispatch:
         self._ticked = time.monotonic()
         self.on_tick()
         check_cluster(self.client, len(self._running))
+        if self.work.timeout is not None and self._running:
+            for task, why in overdue(self.client, self._running, self.work.timeout):
+                task.timed_out = why
 
     def _collect(self, batch: list[Future], queue: as_completed) -> None:
         finished = [f for f in batch if f.status == "finished"]
@@ -264,12 +256,27 @@ class Dispatch:
         for future, result in zip(finished, results, strict=True):
             task = self._running.pop(future)
             self._learn(result["seconds"], len(task.pieces))
-            for piece, (_, table) in zip(task.pieces, result["units"], strict=True):
-                self._piece_done(piece, table)
+            for piece, (name, table) in zip(task.pieces, result["units"], strict=True):
+                if table is None:
+                    self._unit_failed(piece.unit, result["errors"][name])
+                else:
+                    self._piece_done(piece, table)
 
-    def _piece_done(self, piece: _Piece, table: pa.Table) -> None:
+    def _unit_failed(self, unit: Unit, record: dict[str, Any]) -> None:
+        """A unit whose function raised (or that timed out): reported, never retried here."""
+        if unit.name not in self._totals:
+            return  # another piece of it failed already
+        del self._totals[unit.name]
+        self._parts.pop(unit.name, None)
+        self.failed_units += 1
+        self.on_error(unit.name, {**record, "attempt": self._attempts.get(unit.name, 1)})
+        self.progress(1)
+
+    def _piece_done(self, piece: Piece, table: pa.Table) -> None:
         """Hand over a unit when its last piece is in (rows in the unit's order)."""
         name = piece.unit.name
+        if name not in self._totals:
+            return  # the unit failed in another piece: reported already
         parts = self._parts.setdefault(name, [])
         parts.append((piece.start, table))
         if sum(t.num_rows for _, t in parts) < self._totals[name]:
@@ -301,66 +308,20 @@ class Dispatch:
                 "another client, or its cluster closed"
             )
         error = future.exception()
+        if task.timed_out is not None:
+            for piece in task.pieces:
+                record = {"type": "TimeoutError", "message": task.timed_out, "traceback": None}
+                self._unit_failed(piece.unit, {**record, "worker": last_worker(error)})
+            return
         if not isinstance(error, KilledWorker):
             raise error
         self._split(task, error)
 
-    def _split(self, task: _Task, error: KilledWorker) -> None:
-        pieces = task.pieces
-        if len(pieces) > 1:
-            logger.warning(
-                "A worker died running units %s..%s (%s); running each of them alone",
-                pieces[0].unit.name,
-                pieces[-1].unit.name,
-                error,
-            )
-            self._retry.extend(pieces)
-            return
-        piece = pieces[0]
-        if piece.rows > 1:
-            size = -(-piece.rows // _SPLIT)
-            claims = piece.unit.claims
-            logger.warning(
-                "A worker died running %d rows of unit %s (%s); running them in %d pieces",
-                piece.rows,
-                piece.unit.name,
-                error,
-                -(-piece.rows // size),
-            )
-            for offset in range(0, piece.rows, size):
-                part = dataclasses.replace(piece.unit, claims=claims[offset : offset + size])
-                self._retry.append(_Piece(part, piece.start + offset))
-            return
-        if not task.alone:
-            self._quarantine.append(piece)  # lost along with others: no culprit yet
-            return
-        if piece.losses + 1 < _ROW_LOSSES:
-            self._quarantine.append(dataclasses.replace(piece, losses=piece.losses + 1))
-            return
-        last = getattr(getattr(error, "last_worker", None), "address", None) or "?"
-        message = (
-            f"its worker died each of the {piece.losses + 1} times this row was scored "
-            f"alone (last: {last})"
-        )
-        logger.error("Unit %s row %d: %s", piece.unit.name, piece.start, message)
-        self.lost_rows += 1
-        self._piece_done(piece, self.error_rows(piece.unit, message))
-
-
-def _key(task: _Task) -> str:
-    first = task.pieces[0]
-    part = f"-r{first.start}" if first.start or first.losses else ""
-    return f"fever-{first.unit.name}{part}-x{len(task.pieces)}-{os.urandom(4).hex()}"
-
-
-def _next_batch(queue: as_completed, timeout: float) -> list[Future]:
-    """The futures finished by now, waiting up to ``timeout`` seconds for a first one."""
-    deadline = time.monotonic() + timeout
-    batch = queue.next_batch(block=False)
-    while not batch and not queue.is_empty():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        time.sleep(min(0.02, left))
-        batch = queue.next_batch(block=False)
-    return batch
+    def _split(self, task: Task, error: KilledWorker) -> None:
+        loss = after_loss(task, error)
+        self._retry.extend(loss.retry)
+        self._quarantine.extend(loss.quarantine)
+        if loss.blamed is not None:
+            self.lost_rows += 1
+            table = error_rows(loss.blamed.unit, loss.message, self.work.layout)
+            self._piece_done(loss.blamed, table)

@@ -9,9 +9,10 @@ waits for one future the same way.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from distributed import Client, Future, wait
+from distributed import Client, Future, as_completed, wait
 
 from dask_pcm.exceptions import ClusterLostError
 
@@ -50,3 +51,16 @@ def watched_result(client: Client, future: Future) -> Any:
         if future.status == "cancelled":
             check_cluster(client)
         return future.result()
+
+
+def next_batch(queue: as_completed, timeout: float) -> list[Future]:
+    """The futures finished by now, waiting up to ``timeout`` seconds for a first one."""
+    deadline = time.monotonic() + timeout
+    batch = queue.next_batch(block=False)
+    while not batch and not queue.is_empty():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(0.02, left))
+        batch = queue.next_batch(block=False)
+    return batch

@@ -1,0 +1,113 @@
+"""Where a batch run's workers come from, and what it tells the user while it runs.
+
+:func:`open_client` turns ``run_batch``'s ``cluster`` argument into a client: a local
+cluster, batch-system jobs, a scheduler address, or the caller's own client or cluster (left
+open at the end, so that its resident contexts serve the next run).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from distributed import Client
+
+from dask_pcm import client as pcm
+from dask_pcm.deploy import KINDS
+from dask_pcm.deploy.local import local_cluster
+from dask_pcm.deploy.start import batch_cluster
+
+#: Most worker jobs of a batch cluster that a run starts itself (``workers`` unset).
+BATCH_WORKERS = 4
+_ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://")
+
+
+def open_client(cluster: Any, workers: int | None, progress: bool) -> tuple[Client, bool]:
+    """A client for ``cluster``, and whether the run owns it (and must close it).
+
+    ``None`` or ``"local"``: a local cluster (``workers`` processes, default one per GPU or
+    core). ``"sge"``, ``"htcondor"``: batch jobs scaled between 1 and ``workers`` (default
+    4). A scheduler address (``"tcp://..."``), a ``distributed.Client`` or a cluster object:
+    used as it is.
+    """
+    if cluster is None or cluster == "local":
+        client, owned = Client(local_cluster(n_workers=workers)), True
+    elif isinstance(cluster, Client):
+        return cluster, False
+    elif isinstance(cluster, str) and cluster.startswith(_ADDRESS_SCHEMES):
+        return Client(cluster), False
+    elif isinstance(cluster, str):
+        if cluster.lower() not in KINDS:
+            raise ValueError(
+                f"cluster={cluster!r}: one of 'local', {', '.join(map(repr, KINDS))}, or a "
+                "scheduler address such as 'tcp://host:8786'"
+            )
+        # Worker jobs come and go as the units need them; the site's job settings come
+        # from dask-jobqueue's configuration (jobqueue.sge / jobqueue.htcondor).
+        maximum = workers or BATCH_WORKERS
+        client, owned = Client(batch_cluster(cluster, minimum=1, maximum=maximum)), True
+    elif hasattr(cluster, "scheduler_address"):
+        return Client(cluster), False
+    else:
+        raise TypeError(
+            f"cluster must be None, a name, a scheduler address, a distributed.Client or a "
+            f"cluster, got {cluster!r}"
+        )
+    if progress:
+        # Where to watch: the cluster is ours, so the user has no other way to know.
+        print(
+            f"Dask dashboard: {client.dashboard_link}\nContexts:       {pcm.status_page(client)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return client, owned
+
+
+def close_client(client: Client) -> None:
+    """Close ``client`` and the cluster it started."""
+    cluster = client.cluster
+    client.close()
+    if cluster is not None:
+        cluster.close()
+
+
+def tasks_by_worker(client: Client, contexts: list[str]) -> dict[tuple[str, str], int]:
+    """Context tasks served so far, per (worker, context)."""
+    table = pcm.status(client, contexts)
+    return {(r.worker, r.context): int(r.tasks) for r in table.itertuples()}
+
+
+def workers_report(
+    client: Client, contexts: list[str], before: dict[tuple[str, str], int]
+) -> list[dict[str, Any]]:
+    """Per worker and context: loads, load seconds and the tasks served since ``before``."""
+    return [
+        {
+            "worker": r.worker,
+            "context": r.context,
+            "loads": int(r.loads),
+            "load_seconds": float(r.load_seconds),
+            "tasks": int(r.tasks) - before.get((r.worker, r.context), 0),
+        }
+        for r in pcm.status(client, contexts).itertuples()
+    ]
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, enabled: bool) -> Any:
+    """A tqdm bar of units (or one that shows nothing)."""
+    if not enabled or total == 0:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="units", unit="unit")

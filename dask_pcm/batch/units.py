@@ -1,0 +1,169 @@
+"""Units of a batch run, and the task that runs them on a worker.
+
+A *unit* is a slice of ``rows_per_unit`` consecutive rows of the input under one *group* (a
+parameter set of the run, such as a prompt template; runs without groups have one). It is
+the grain of the output folder and of a resume: ``<group>--<index>``, or ``unit-<index>``.
+:func:`run_units` is the task the dispatch submits: it calls the user's function once per
+unit, on a worker whose contexts are ready, and returns each unit's rows as an Arrow table,
+or what went wrong.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Rows of the input run together under one group.
+
+    Attributes
+    ----------
+    name
+        ``<group>--<index:05d>``, or ``unit-<index:05d>`` without groups.
+    rows
+        The unit's rows (dicts of the input's columns), in input order.
+    group
+        The group's name, or ``None``.
+    params
+        The group's keyword arguments for the task function.
+    """
+
+    name: str
+    rows: tuple[Any, ...]
+    group: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+def make_units(
+    rows: Sequence[Any], rows_per_unit: int, groups: Mapping[str, Mapping[str, Any]] | None
+) -> list[Unit]:
+    """Every (group, slice of ``rows_per_unit`` rows), group by group."""
+    slices = [tuple(rows[i : i + rows_per_unit]) for i in range(0, len(rows), rows_per_unit)]
+    if not groups:
+        return [Unit(f"unit-{i:05d}", part) for i, part in enumerate(slices)]
+    return [
+        Unit(f"{name}--{i:05d}", part, name, dict(params))
+        for name, params in groups.items()
+        for i, part in enumerate(slices)
+    ]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a unit's output rows are keyed: the input's id column, the column naming the
+    group (``None``: none added) and input columns carried into every output row."""
+
+    id_column: str
+    group_column: str | None = None
+    carry: tuple[str, ...] = ()
+
+    def keys(self, rows: Sequence[Any], group: str | None) -> list[dict[str, Any]]:
+        """What every output row of ``rows`` starts with (error rows too)."""
+        keys = []
+        for row in rows:
+            key = {self.id_column: row.get(self.id_column)}
+            if self.group_column:
+                key[self.group_column] = group
+            key.update({c: row.get(c) for c in self.carry})
+            keys.append(key)
+        return keys
+
+
+@dataclass(frozen=True)
+class Work:
+    """What every task of a run calls: ``fn(rows, **group_params, **kwargs)`` on a worker
+    where ``contexts`` are ready, its rows keyed by ``layout``; ``timeout``: seconds a task
+    may run (``None``: no limit)."""
+
+    fn: Callable[..., Any]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    contexts: tuple[str, ...] = ()
+    layout: Layout = field(default_factory=lambda: Layout("id"))
+    timeout: float | None = None
+
+
+def run_units(
+    fn: Callable[..., Any],
+    units: Sequence[tuple[str, Sequence[Any]]],
+    group: str | None,
+    params: Mapping[str, Any],
+    kwargs: Mapping[str, Any],
+    layout: Layout,
+) -> dict[str, Any]:
+    """The task: ``fn(rows, **params, **kwargs)`` for each (name, rows) of ``units``.
+
+    Returns ``units``: (name, Arrow table) per unit, or (name, ``None``) for a unit whose call
+    raised, with what it raised in ``errors`` (name -> type, message, traceback, worker);
+    and ``seconds``, the time the calls took (the dispatch sizes its tasks by it). One unit's
+    exception does not cost the others of the task.
+    """
+    start = time.perf_counter()
+    out: list[tuple[str, pa.Table | None]] = []
+    errors: dict[str, dict[str, Any]] = {}
+    for name, rows in units:
+        try:
+            result = fn(list(rows), **params, **kwargs)
+            table = output_table(result, layout.keys(rows, group), name)
+        except Exception as exc:
+            errors[name] = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback.format_exc(),
+                "worker": _worker_address(),
+            }
+            out.append((name, None))
+            continue
+        out.append((name, table))
+    return {"units": out, "errors": errors, "seconds": time.perf_counter() - start}
+
+
+def output_table(result: Any, keys: list[dict[str, Any]], name: str) -> pa.Table:
+    """``result`` (a list of dicts, a pandas DataFrame or an Arrow table, one row per input
+    row in order) as an Arrow table starting with ``keys``' columns (kept where the result
+    has them)."""
+    import pyarrow as pa
+
+    if isinstance(result, pa.Table):
+        rows = result.to_pylist()
+    elif hasattr(result, "to_dict") and hasattr(result, "columns"):
+        rows = result.to_dict("records")
+    elif isinstance(result, Sequence) and not isinstance(result, str | bytes):
+        rows = list(result)
+    else:
+        raise TypeError(
+            f"unit {name}: the function returned {type(result).__name__}; return a list of "
+            "dicts, a pandas DataFrame or an Arrow table, one row per input row"
+        )
+    if len(rows) != len(keys):
+        raise ValueError(
+            f"unit {name}: the function returned {len(rows)} rows for {len(keys)} input rows"
+        )
+    for row in rows:
+        if not isinstance(row, Mapping):
+            raise TypeError(f"unit {name}: a row is {type(row).__name__}, not a dict")
+    return pa.Table.from_pylist([{**key, **row} for key, row in zip(keys, rows, strict=True)])
+
+
+def error_rows(unit: Unit, message: str, layout: Layout) -> pa.Table:
+    """``unit``'s rows recorded as errors: their keys and ``error``, no result."""
+    import pyarrow as pa
+
+    rows = [{**key, "error": message} for key in layout.keys(unit.rows, unit.group)]
+    return pa.Table.from_pylist(rows)
+
+
+def _worker_address() -> str | None:
+    from distributed import get_worker
+
+    try:
+        return str(get_worker().address)
+    except ValueError:
+        return None
