@@ -49,11 +49,11 @@ Steps, in one process:
    its ``units.computed``; ``recomputed_beyond_unfinished`` = computed - (units - persisted):
    units computed again though they were on disk (should be 0); ``lost_at_kill`` = received
    - persisted: finished units the kill threw away (at most a segment's worth, or what
-   ``pcm.fever.flush-interval`` lets accumulate), computed again by the resume;
+   ``pcm.batch.flush-interval`` lets accumulate), computed again by the resume;
    ``recompute_pct`` = (computed - (units - received)) / units, the share of the grid
    computed twice. The folder must then hold every row once.
 
-``--quick`` (CI, on 2 cores) writes segments of 512 rows (``pcm.fever.segment-rows``;
+``--quick`` (CI, on 2 cores) writes segments of 512 rows (``pcm.batch.segment-rows``;
 default 4,096) so that its small grid has several segments to time and to kill between, and
 kills and resumes a one-worker run (each start then loads the model once, not twice).
 
@@ -94,7 +94,7 @@ import psutil
 import dask_pcm
 from dask_pcm.fever import Claim, demo_claims, load_claims
 from dask_pcm.fever.scoring import score_logits
-from dask_pcm.fever.segments import INDEX, PATTERN, UNITS_KEY
+from dask_pcm.batch.segments import INDEX, PATTERN, UNITS_KEY
 from dask_pcm.fever.templates import get_templates
 from dask_pcm.fever.units import Unit, make_units, template_head
 
@@ -564,7 +564,7 @@ def main() -> None:
     args = p.parse_args()
     n = args.claims or (QUICK_CLAIMS if args.quick else PAPER_CLAIMS)
     segment_rows = (
-        QUICK_SEGMENT_ROWS if args.quick else int(dask.config.get("pcm.fever.segment-rows"))
+        QUICK_SEGMENT_ROWS if args.quick else int(dask.config.get("pcm.batch.segment-rows"))
     )
     model = h.model_path(args)
     load = os.getloadavg()[0]
@@ -575,7 +575,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(
             prefix="dask-pcm-paper-scale-", ignore_cleanup_errors=True
         ) as tmp,
-        dask.config.set({"pcm.fever.segment-rows": segment_rows}),
+        dask.config.set({"pcm.batch.segment-rows": segment_rows}),
         h.Timer() as total,
     ):
         folder = Path(tmp)
