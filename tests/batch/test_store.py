@@ -250,3 +250,65 @@ def test_a_file_size_limit_is_reported_like_a_full_disk(tmp_path):
     assert f"output folder {out}: writing part-000000.parquet failed" in errors[0]
     assert "[Errno 27] File too large" in errors[0] and "run the same command again" in errors[0]
     _finish_and_check(out, added)
+
+
+_KILLED_BEFORE_INDEXING = """
+import os, signal, sys
+import pyarrow as pa
+from dask_pcm.batch.store import OutputStore
+
+def killed(self, entry):  # the segment is renamed into place; the index line never comes
+    os.kill(os.getpid(), signal.SIGKILL)
+
+OutputStore._append_index = killed
+store = OutputStore(sys.argv[1], {"kwargs": {}}, segment_rows=1000, flush_interval=0.0)
+store.open()
+store.add("unit-00000", pa.table({"id": [1, 2]}))
+"""
+
+
+def test_a_writer_killed_between_the_rename_and_the_index_loses_nothing(tmp_path):
+    """The segment's own footer lists its units: a resume counts them done, and a unit
+    added again is refused, so no row is written twice."""
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_INDEXING, str(out)])
+    assert done.returncode == -9
+    assert (out / "part-000000.parquet").exists()
+    assert not (out / "_dask_pcm_index.jsonl").exists()
+    import pyarrow as pa
+
+    from dask_pcm.batch.store import OutputStore
+
+    with OutputStore(out, {"kwargs": {}}) as store:
+        assert store.done() == {"unit-00000"}
+        with pytest.raises(ValueError, match="already in"):
+            store.add("unit-00000", pa.table({"id": [1, 2]}))
+        store.add("unit-00001", pa.table({"id": [3]}))
+    assert sorted(pd.read_parquet(out)["id"]) == [1, 2, 3]
+    assert "unit-00000" in (out / "_dask_pcm_index.jsonl").read_text()  # indexed now
+
+
+def test_changed_provenance_is_refused_naming_the_key(tmp_path):
+    from dask_pcm.batch.store import OutputStore
+
+    with OutputStore(tmp_path / "o", {"kwargs": {"temperature": 0}, "groups": {"a": {"x": 1}}}):
+        pass
+    with (
+        pytest.raises(
+            OutputFolderError, match=r"kwargs 'temperature' differs \(folder: 0, now: 1\)"
+        ),
+        OutputStore(tmp_path / "o", {"kwargs": {"temperature": 1}, "groups": {"a": {"x": 1}}}),
+    ):
+        pass
+    with (
+        pytest.raises(OutputFolderError, match=r"group 'a' changed \(x\)"),
+        OutputStore(tmp_path / "o", {"kwargs": {"temperature": 0}, "groups": {"a": {"x": 2}}}),
+    ):
+        pass
+    # A new group joins the folder; the old one stays listed.
+    with OutputStore(tmp_path / "o", {"kwargs": {"temperature": 0}, "groups": {"b": {"x": 3}}}):
+        pass
+    import json
+
+    manifest = json.loads((tmp_path / "o" / "_dask_pcm_run.json").read_text())
+    assert manifest["groups"] == {"a": {"x": 1}, "b": {"x": 3}}
