@@ -15,7 +15,7 @@ SCHEDULER_PRELOAD = "dask_pcm.scheduler.preload"
 #: The batch systems :func:`batch_cluster` starts workers on. Here, not in
 #: :mod:`dask_pcm.deploy.batch`, so that naming them does not import dask-jobqueue (whose
 #: ``runner`` module replaces the process's SIGINT handler when imported).
-KINDS = ("sge", "htcondor")
+KINDS = ("sge", "htcondor", "slurm")
 
 
 def with_preload(preload: Any) -> list[str]:

@@ -1,15 +1,18 @@
-"""Workers from batch systems: Grid Engine and HTCondor through dask-jobqueue.
+"""Workers from batch systems: Grid Engine, HTCondor and SLURM through dask-jobqueue.
 
 :func:`batch_cluster` starts a dask-jobqueue cluster whose jobs suit context management on
 shared, opportunistic GPU clusters. Site settings (queue, cores, memory, GPU request, scratch
 directory, interface) come from dask-jobqueue's configuration as usual (``jobqueue.sge``,
-``jobqueue.htcondor``; ``jobqueue-templates/`` in the repository has commented examples) or
-from keyword arguments. dask_pcm adds what its workers need:
+``jobqueue.htcondor``, ``jobqueue.slurm``, or the section ``config_name=`` names;
+``jobqueue-templates/`` in the repository has commented examples) or from keyword arguments.
+dask_pcm adds what its workers need:
 
 - a preemption warning: ``qsub -notify`` on Grid Engine, ``kill_sig = SIGUSR2`` with
   ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
   so that only the worker process reacts to it, by retiring gracefully
-  (:mod:`dask_pcm.deploy.preemption`);
+  (:mod:`dask_pcm.deploy.preemption`); on SLURM ``--signal=B:USR2@<drain + 30 s>`` and a job
+  script whose shell passes USR2 and ``scancel``'s TERM on to the worker
+  (:mod:`dask_pcm.deploy.slurm`), and no ``--mem`` beside ``--mem-per-gpu``;
 - ``--preload-nanny dask_pcm.deploy.gpu``: each worker process claims one GPU of those its job
   may see (:mod:`dask_pcm.deploy.gpu`), also where the site binds no GPU to a job;
 - the scheduler preload :mod:`dask_pcm.scheduler.preload` (the contexts page in the
@@ -23,7 +26,7 @@ from keyword arguments. dask_pcm adds what its workers need:
   connected, dask-jobqueue #643) and submits replacements, so that ``scale(n)`` keeps ``n``
   workers, not ``n`` job records;
 - an end to waiting for workers that cannot come: a job whose submission command (``qsub``,
-  ``condor_submit``) fails keeps the batch system's message (dask-jobqueue only logs it and
+  ``condor_submit``, ``sbatch``) fails keeps the batch system's message (dask-jobqueue only logs it and
   submits nothing more), and ``cluster.raise_if_stuck()`` raises
   :class:`~dask_pcm.exceptions.BatchJobError` quoting it once no worker is connected, no job
   is left that could bring one, and that has lasted ``pcm.jobs.start-timeout`` (60 s):
@@ -47,8 +50,10 @@ import dask_jobqueue
 from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
+from dask_pcm import config
 from dask_pcm.deploy import KINDS, gpu, with_preload
 from dask_pcm.deploy.jobwatch import HTCondorJob, JobWatch, SGEJob
+from dask_pcm.deploy.slurm import SIGNAL_SLACK, SLURMJob
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,14 @@ class HTCondorCluster(_ContextJobs, dask_jobqueue.HTCondorCluster):
     job_cls = HTCondorJob
 
 
+class SLURMCluster(_ContextJobs, dask_jobqueue.SLURMCluster):
+    """:class:`dask_jobqueue.SLURMCluster` with dask_pcm's adaptive scaling and watchdog, and
+    a job script that passes SLURM's warnings on to the worker (:mod:`dask_pcm.deploy.slurm`)."""
+
+    kind = "slurm"
+    job_cls = SLURMJob
+
+
 def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
     """dask-jobqueue keyword arguments for ``kind``, with what dask_pcm's workers need.
 
@@ -106,14 +119,16 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
     """
     kind = _check_kind(kind)
 
+    section = kwargs.get("config_name") or kind  # a site's own section, if named
+
     def setting(key: str) -> Any:
         if key in kwargs:
             return kwargs[key]
-        return dask.config.get(f"jobqueue.{kind}.{key.replace('_', '-')}", None)
+        return dask.config.get(f"jobqueue.{section}.{key.replace('_', '-')}", None)
 
     out = dict(kwargs)
     prologue = list(setting("job_script_prologue") or [])
-    if PREEMPTION_TRAP not in prologue:
+    if PREEMPTION_TRAP not in prologue and kind != "slurm":  # SLURM's script traps it itself
         prologue.insert(0, PREEMPTION_TRAP)
     out["job_script_prologue"] = prologue
 
@@ -123,6 +138,8 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
         if not any(d.strip() == "-notify" for d in directives):
             directives.append("-notify")
         out["job_extra_directives"] = directives
+    elif kind == "slurm":
+        out.update(slurm_directives(list(extra or []), list(setting("job_directives_skip") or [])))
     else:
         submit = dict(extra or {})
         submit.setdefault("kill_sig", "SIGUSR2")
@@ -150,6 +167,19 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
     scheduler_options["preload"] = with_preload(scheduler_options.get("preload"))
     out["scheduler_options"] = scheduler_options
     return out
+
+
+def slurm_directives(extra: list[str], skip: list[str]) -> dict[str, Any]:
+    """SLURM's ``job_extra_directives`` and ``job_directives_skip`` with what dask_pcm adds:
+    the preemption warning to the batch shell (``--signal=B:USR2@<drain + 30 s>``, unless a
+    ``--signal`` is given), and no ``--mem`` beside ``--mem-per-gpu`` or ``--mem-per-cpu``
+    (SLURM refuses both; dask-jobqueue always writes ``--mem``)."""
+    if not any(d.strip().startswith("--signal") for d in extra):
+        drain = parse_timedelta(config.get("worker.preemption-drain"))
+        extra.append(f"--signal=B:USR2@{int(drain) + SIGNAL_SLACK}")
+    if any(d.strip().startswith(("--mem-per-gpu", "--mem-per-cpu")) for d in extra):
+        skip = [*skip, "--mem="] if "--mem=" not in skip else skip
+    return {"job_extra_directives": extra, "job_directives_skip": skip}
 
 
 def walltime_seconds(walltime: str | int | float) -> float:
@@ -185,12 +215,12 @@ def batch_cluster(
     maximum: int | None = None,
     watch_interval: str | float = "10s",
     **kwargs: Any,
-) -> SGECluster | HTCondorCluster:
-    """Start a Grid Engine or HTCondor cluster for context work (see the module doc).
+) -> SGECluster | HTCondorCluster | SLURMCluster:
+    """Start a Grid Engine, HTCondor or SLURM cluster for context work (see the module doc).
 
     Parameters
     ----------
-    kind : {"sge", "htcondor"}
+    kind : {"sge", "htcondor", "slurm"}
     workers : int, optional
         Keep this many worker jobs (``cluster.scale(workers)``), replacing those that go.
     minimum, maximum : int, optional
@@ -209,7 +239,12 @@ def batch_cluster(
     """
     kind = _check_kind(kind)
     options = job_options(kind, **kwargs)
-    cls = SGECluster if kind == "sge" else HTCondorCluster
+    classes: dict[str, type[SGECluster] | type[HTCondorCluster] | type[SLURMCluster]] = {
+        "sge": SGECluster,
+        "htcondor": HTCondorCluster,
+        "slurm": SLURMCluster,
+    }
+    cls = classes[kind]
     try:
         cluster = cls(watch_interval=watch_interval, **options)
     except ValueError as exc:

@@ -1,14 +1,14 @@
 """The job watchdog of batch clusters: jobs that go, and jobs that never come.
 
 Every ``watch_interval`` :class:`JobWatch` compares the batch queue (``qstat``,
-``condor_q``) with the connected workers:
+``condor_q``, ``squeue``) with the connected workers:
 
 - a job that left the queue while its worker is not connected (deleted, preempted, or dead
   before its worker ever connected, dask-jobqueue #643) is replaced, so that ``scale(n)``
   keeps ``n`` workers, not ``n`` job records; after ``max_failed_starts`` jobs in a row that
   ended before their worker connected (a broken job script), no more are submitted;
 - a job whose submission command failed keeps the batch system's message
-  (:class:`_RecordsSubmission`): dask-jobqueue raises it from ``Job.start`` and
+  (:class:`RecordsSubmission`): dask-jobqueue raises it from ``Job.start`` and
   distributed's ``SpecCluster`` only logs it, then submits nothing more for that job.
 
 When no worker is connected and no job is left that could bring one (every submission
@@ -40,10 +40,10 @@ from dask_pcm.exceptions import BatchJobError
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = {"sge": "Grid Engine", "htcondor": "HTCondor"}
+SYSTEMS = {"sge": "Grid Engine", "htcondor": "HTCondor", "slurm": "SLURM"}
 
 
-class _RecordsSubmission:
+class RecordsSubmission:
     """Job mixin: a job whose submission command fails keeps the batch system's message.
 
     dask-jobqueue raises it from ``Job.start`` with the command's output, and distributed's
@@ -69,11 +69,11 @@ class _RecordsSubmission:
             raise
 
 
-class SGEJob(_RecordsSubmission, dask_jobqueue.sge.SGEJob):
+class SGEJob(RecordsSubmission, dask_jobqueue.sge.SGEJob):
     """:class:`dask_jobqueue.sge.SGEJob` that keeps why ``qsub`` failed."""
 
 
-class HTCondorJob(_RecordsSubmission, dask_jobqueue.htcondor.HTCondorJob):
+class HTCondorJob(RecordsSubmission, dask_jobqueue.htcondor.HTCondorJob):
     """:class:`dask_jobqueue.htcondor.HTCondorJob` that keeps why ``condor_submit`` failed."""
 
 
@@ -91,7 +91,7 @@ class JobWatch:
     """Cluster mixin for dask-jobqueue clusters: the job watchdog and :meth:`raise_if_stuck`.
 
     The cluster class sets ``kind`` (``"sge"`` or ``"htcondor"``) and a ``job_cls`` derived
-    from :class:`_RecordsSubmission`, as :class:`dask_pcm.deploy.batch.SGECluster` does.
+    from :class:`RecordsSubmission`, as :class:`dask_pcm.deploy.batch.SGECluster` does.
     """
 
     kind: str = ""
@@ -330,6 +330,8 @@ def queued_job_ids(kind: str) -> set[str] | None:
         cmd = ["qstat", "-u", getpass.getuser()]
     elif kind == "htcondor":
         cmd = ["condor_q", "-af", "ClusterId", "ProcId"]
+    elif kind == "slurm":
+        cmd = ["squeue", "-h", "-u", getpass.getuser(), "-o", "%i"]
     else:
         raise ValueError(f"unknown batch system {kind!r}; one of {KINDS}")
     try:
@@ -341,7 +343,8 @@ def queued_job_ids(kind: str) -> set[str] | None:
 
 
 def parse_queue(kind: str, text: str) -> set[str]:
-    """Job ids in the output of ``qstat`` (SGE) or ``condor_q -af ClusterId ProcId``."""
+    """Job ids in the output of ``qstat`` (SGE), ``condor_q -af ClusterId ProcId`` or
+    ``squeue -h -o %i`` (SLURM)."""
     ids = set()
     for line in text.splitlines():
         fields = line.split()
@@ -349,6 +352,8 @@ def parse_queue(kind: str, text: str) -> set[str]:
             ids.add(fields[0])
         elif kind == "htcondor" and len(fields) == 2 and all(f.isdigit() for f in fields):
             ids.add(f"{fields[0]}.{fields[1]}")
+        elif kind == "slurm" and fields and fields[0][:1].isdigit():
+            ids.add(fields[0])  # requeued and completing jobs too: they are not gone
     return ids
 
 

@@ -25,7 +25,7 @@ from tests.conftest import assert_handed_back, load_the_victim, wait_gone
 
 
 def _script(kind: str, **kwargs) -> str:
-    cls = batch.SGECluster if kind == "sge" else batch.HTCondorCluster
+    cls = {"sge": batch.SGECluster, "htcondor": batch.HTCondorCluster}.get(kind, batch.SLURMCluster)
     options = job_options(kind, scheduler_options={"dashboard_address": ":0"}, **kwargs)
     with cls(watch_interval="1h", **options) as cluster:
         return cluster.job_script()
@@ -56,8 +56,8 @@ def test_configured_lifetime_and_directives_are_kept():
     assert options["worker_extra_args"] == ["--lifetime", "20m", "--preload-nanny", gpu.PRELOAD]
     # The scheduler gets the contexts page in its dashboard.
     assert options["scheduler_options"] == {"preload": ["dask_pcm.scheduler.preload"]}
-    with pytest.raises(ValueError, match="unknown batch system 'slurm'"):
-        job_options("slurm")
+    with pytest.raises(ValueError, match="unknown batch system 'pbs'"):
+        job_options("pbs")
     with pytest.raises(ValueError, match="walltime 'soon'"):
         job_options("sge", walltime="soon")
     assert walltime_seconds("1:30:00") == walltime_seconds("90m") == 5400
@@ -88,6 +88,37 @@ def test_htcondor_submit_description_passes_htcondors_parser(monkeypatch):
         htcondor2.Submit("request_gpus 1\nqueue")  # the parser is real: no "=" is an error
 
 
+def test_slurm_jobs_pass_the_warning_to_the_worker_and_keep_a_given_signal():
+    script = _script("slurm", cores=1, memory="4GB", walltime="01:00:00")
+    lines = script.splitlines()
+    assert "#SBATCH --signal=B:USR2@50" in lines and "#SBATCH --mem=4G" in lines
+    worker = next(i for i, line in enumerate(lines) if "distributed.cli.dask_worker" in line)
+    # The worker's processes ignore USR2 sent to the job; the shell hands it on to them.
+    assert lines[worker].startswith("( trap '' USR2; exec ") and lines[worker].endswith(") &")
+    assert "trap 'pcm_warn USR2' USR2" in lines and "trap 'pcm_warn TERM' TERM" in lines
+    assert any("SLURM_RESTART_COUNT" in line for line in lines[:worker])
+    assert "trap '' USR2" not in lines  # the SGE prologue's trap would leave the shell deaf
+    given = _script("slurm", cores=1, memory="4GB", job_extra_directives=["--signal=B:USR1@90"])
+    assert "#SBATCH --signal=B:USR1@90" in given and "B:USR2" not in given
+
+
+def test_a_config_name_section_reaches_the_job_script():
+    """``config_name=`` names the site's own section; its prologue and directives used to be
+    replaced by the default section's (``jobqueue.<kind>``)."""
+    own = {
+        "cores": 1, "memory": "2GB", "job-script-prologue": ["module load cuda"],
+        "job-extra-directives": ["-l gpu=1"], "worker-extra-args": ["--resources", "GPU=1"],
+    }  # fmt: skip
+    settings = {
+        "jobqueue.gpu-sge": {**dask.config.get("jobqueue.sge"), **own},  # a complete section
+        "jobqueue.sge.job-script-prologue": ["module load default"],
+    }
+    with dask.config.set(settings):
+        script = _script("sge", config_name="gpu-sge")
+    assert "module load cuda" in script and "module load default" not in script
+    assert "#$ -l gpu=1" in script and "--resources GPU=1" in script
+
+
 def test_queue_listings_are_parsed():
     qstat = """job-ID  prior   name       user  state submit/start at     queue  slots ja-task-ID
 -----------------------------------------------------------------------------------------
@@ -97,6 +128,8 @@ def test_queue_listings_are_parsed():
     assert parse_queue("sge", qstat) == {"17", "18"}
     assert parse_queue("htcondor", "42 0\n43 0\n") == {"42.0", "43.0"}
     assert parse_queue("sge", "") == set()
+    # squeue -h -o %i: requeued (PENDING) and completing jobs are listed: not gone.
+    assert parse_queue("slurm", "17\n18_2\n") == {"17", "18_2"}
 
 
 class _FakeSGEJob(jobwatch.SGEJob):
@@ -239,7 +272,7 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
 TEMPLATES = Path(__file__).parents[2] / "jobqueue-templates"
 
 
-@pytest.mark.parametrize("kind", ["sge", "htcondor"])
+@pytest.mark.parametrize("kind", ["sge", "htcondor", "slurm"])
 def test_jobqueue_templates_give_gpu_jobs_with_a_preemption_warning(kind, monkeypatch):
     """The commented templates in jobqueue-templates/ are valid dask config and give jobs
     that request a GPU, keep the template cache on local scratch and warn before a kill."""
@@ -252,7 +285,13 @@ def test_jobqueue_templates_give_gpu_jobs_with_a_preemption_warning(kind, monkey
         script = _script(kind)
     assert "export DASK_PCM__WORKER__TEMPLATE_DIRECTORY=" in script
     assert "--nthreads 1 " in script  # one task at a time per GPU
-    if kind == "sge":
+    if kind == "slurm":
+        assert "#SBATCH --gres=gpu:1" in script and "#SBATCH --mem-per-gpu=32G" in script
+        assert "#SBATCH --mem=" not in script  # SLURM refuses it beside --mem-per-gpu
+        assert "#SBATCH --signal=B:USR2@50" in script  # 20 s drain + 30 s of SLURM's lateness
+        assert "#SBATCH -t 04:00:00" in script and "#SBATCH --cpus-per-task=4" in script
+        assert "--lifetime 12240s --lifetime-stagger 720s" in script
+    elif kind == "sge":
         assert "trap '' USR2" in script
         assert "#$ -l gpu=1" in script and "#$ -notify" in script
         assert "#$ -l h_rt=04:00:00" in script

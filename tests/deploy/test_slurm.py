@@ -1,0 +1,124 @@
+"""dask_pcm on a real SLURM (the one-host cluster ``ci/slurm/setup.sh`` starts): workers from
+``sbatch`` jobs, SLURM's warning handed to the worker, a requeued job rejoining, a FEVER run
+on worker jobs. Marked ``slurm``: skipped without SLURM unless PCM_REQUIRE_SLURM=1 (CI)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+import dask_pcm
+from dask_pcm.testing.tasks import noted_square
+from tests.conftest import assert_handed_back, load_the_victim, require_batch_system
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm() -> None:
+    require_batch_system(
+        "sinfo", "SLURM", "; `sudo bash ci/slurm/setup.sh` starts one", "PCM_REQUIRE_SLURM"
+    )
+
+
+def _slurm_cluster(tmp_path: Path, workers: int, **kwargs):
+    cache = dask_pcm.config.cache_directory()
+    return dask_pcm.batch_cluster(
+        "slurm",
+        workers=workers,
+        cores=1,
+        memory="2GB",
+        processes=1,
+        interface="lo",
+        walltime="00:30:00",
+        log_directory=str(tmp_path / "logs"),
+        local_directory=str(tmp_path / "scratch"),
+        watch_interval="1s",
+        scheduler_options={"dashboard_address": ":0"},
+        job_script_prologue=[f"export DASK_PCM__CACHE_DIRECTORY={cache}"],
+        **kwargs,
+    )
+
+
+def _job_of(cluster, client: Client, address: str) -> str:
+    name = client.scheduler_info()["workers"][address]["name"]
+    return cluster.workers[name].job_id
+
+
+def _wait(condition, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def _our_jobs() -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i %T"], capture_output=True, text=True)
+    return out.stdout.split("\n")[:-1]
+
+
+def test_a_warned_worker_hands_its_work_back(tmp_path, tiny_model_dir):
+    """``scancel -b --signal=USR2`` reaches the batch shell (a plain ``scancel --signal``
+    reaches job steps only), which hands the warning to the worker: its results and queued
+    tasks move to the other worker, nothing runs twice."""
+    log = tmp_path / "runs"
+    with _slurm_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        victim, other, held, queued = load_the_victim(client, noted_square, log)
+        job = _job_of(cluster, client, victim)
+        subprocess.run(["scancel", "-b", "--signal=USR2", job], check=True)
+        _wait(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
+        assert_handed_back(client, held, queued, other, log)
+        err = (tmp_path / "logs" / f"dask-worker-{job}.err").read_text()
+        assert "USR2 received; asking the worker to hand its work back" in err
+
+
+def test_a_requeued_job_rejoins_and_no_extra_job_is_submitted(tmp_path, tiny_model_dir):
+    with _slurm_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
+        victim = sorted(client.scheduler_info()["workers"])[0]
+        name = client.scheduler_info()["workers"][victim]["name"]
+        job = _job_of(cluster, client, victim)
+        subprocess.run(["scontrol", "requeue", job], check=True)
+        _wait(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
+        # Requeued, the job starts again from the top (after cred_expire, 10 s here) and its
+        # worker joins under the same name, its context rebuilt.
+        _wait(
+            lambda: any(
+                w["name"] == name and a != victim
+                for a, w in client.scheduler_info()["workers"].items()
+            ),
+            120,
+            "the requeued job's worker to join again",
+        )
+        assert cluster.replaced_jobs == 0  # the watchdog saw it pending, not gone
+        assert len(_our_jobs()) == 2, _our_jobs()
+        err = (tmp_path / "logs" / f"dask-worker-{job}.err").read_text()
+        assert "restart 1" in err  # SLURM_RESTART_COUNT, logged by the job script
+        rows = dask_pcm.status(client, ["tiny"])
+        _wait(lambda: (dask_pcm.status(client, ["tiny"])["state"] == "ready").sum() == 2, 120,
+              "the context on the rejoined worker")  # fmt: skip
+        assert len(rows) >= 1
+
+
+def test_fever_runs_on_slurm_jobs_every_row_once(tmp_path, tiny_model_dir):
+    with _slurm_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
+        client.wait_for_workers(2, timeout=120)
+        result = dask_pcm.run_fever(
+            model=tiny_model_dir,
+            cluster=client,
+            num_templates=2,
+            claims_per_task=3,
+            output=tmp_path / "preds",
+            progress=False,
+        )
+    rows = result.predictions
+    assert len(rows) == 60 and not rows.duplicated(["template", "claim_id"]).any()
+    assert result.report["units"]["failed"] == 0
