@@ -106,5 +106,5 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
     assert old.report["units"]["total"] == 2
     with pytest.raises(ValueError, match="unknown scoring method"):
         run_fever(cluster=client, method="vote")
-    with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor'"):
-        run_fever(model=tiny_model_dir, cluster="slurm", num_templates=1)
+    with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor', 'slurm'"):
+        run_fever(model=tiny_model_dir, cluster="pbs", num_templates=1)
