@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 from dask_pcm.templates.manifest import build_manifest
@@ -68,10 +69,16 @@ def rows_digest(rows: Any) -> str:
 
 
 def loader_spec(loader: Any) -> dict[str, Any]:
-    """A loader as provenance: its class and options (a dataclass's fields, else its repr)."""
+    """A loader as provenance: its class and options (a dataclass's fields; a function's
+    qualified name; else its repr, unless that names a memory address, which changes with
+    every process and would refuse every resume)."""
     options: Any = repr(loader)
     if dataclasses.is_dataclass(loader) and not isinstance(loader, type):
         options = json.loads(json.dumps(dataclasses.asdict(loader), default=repr))
+    elif hasattr(loader, "__qualname__"):  # a function or a class
+        options = f"{getattr(loader, '__module__', '?')}.{loader.__qualname__}"
+    elif re.search(r" at 0x[0-9a-f]+", options):
+        options = None
     return {"class": type(loader).__qualname__, "options": options}
 
 

@@ -312,3 +312,20 @@ def test_changed_provenance_is_refused_naming_the_key(tmp_path):
 
     manifest = json.loads((tmp_path / "o" / "_dask_pcm_run.json").read_text())
     assert manifest["groups"] == {"a": {"x": 1}, "b": {"x": 3}}
+
+
+def test_a_function_loader_is_recorded_by_name_not_by_its_address():
+    """A function's repr names its memory address, which changes with every process: recorded
+    as it was, no rerun would ever resume."""
+    from dask_pcm.batch.provenance import loader_spec
+
+    def load(location):
+        return location
+
+    class Loader:
+        def __call__(self, location):
+            return location
+
+    name = "test_a_function_loader_is_recorded_by_name_not_by_its_address.<locals>.load"
+    assert loader_spec(load)["options"] == f"{__name__}.{name}"
+    assert "0x" not in str(loader_spec(load)) and "0x" not in str(loader_spec(Loader()))
