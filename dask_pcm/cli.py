@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,8 @@ import click
 from distributed import Client
 
 from dask_pcm import client as pcm
+from dask_pcm.cli_batch import batch
+from dask_pcm.cli_shared import SCHEDULER, SCHEDULER_FILE, interruptible, scheduler_client
 from dask_pcm.config import LEVELS, default_level
 from dask_pcm.context import causal_lm
 from dask_pcm.deploy import KINDS
@@ -28,7 +28,6 @@ from dask_pcm.fever.data import ERRORS
 from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.scoring import METHODS
 from dask_pcm.gpus import visible_gpus
-from dask_pcm.interrupts import exit_status, interrupt_signal, terminate_as_interrupt
 from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.gpu import DTYPES
 from dask_pcm.tasks import get_context
@@ -47,6 +46,9 @@ DEMO_QUESTIONS = [
 @click.version_option(package_name="dask-pcm")
 def main() -> None:
     """dask_pcm: worker-resident LLM contexts for high-throughput inference on Dask."""
+
+
+main.add_command(batch)
 
 
 # Options more than one command takes, and choice lists, declared once.
@@ -194,7 +196,11 @@ def _demo(model: str | None, workers: int, level: str | None, repeat: int) -> No
     "Local worker processes (default: one per GPU, else one per core), or the most worker "
     "jobs (default 4).",
 )
-def fever(json_path: str | None, **options: Any) -> None:
+@SCHEDULER
+@SCHEDULER_FILE
+def fever(
+    json_path: str | None, scheduler: str | None, scheduler_file: str | None, **options: Any
+) -> None:
     """Rank prompt templates for an LLM as a FEVER fact checker.
 
     Prints one row per template, best first: accuracy with its 95 % interval, number of
@@ -211,8 +217,13 @@ def fever(json_path: str | None, **options: Any) -> None:
         else "the results were not kept (--output DIR keeps them)"
     )
     try:
-        with interruptible(kept):
-            result = run_fever(**given)
+        with (
+            interruptible(kept),
+            scheduler_client(
+                scheduler, scheduler_file, options["cluster"], options["workers"]
+            ) as client,
+        ):
+            result = run_fever(**{**given, "cluster": client or options["cluster"]})
     except ClusterLostError as exc:
         raise click.ClickException(f"{exc}; {kept}") from exc
     except (PCMError, ValueError, OSError) as exc:
@@ -309,22 +320,6 @@ def doctor(
             json.dump([asdict(r) for r in reports], f, indent=2)
     if any(r.error for r in reports):
         sys.exit(1)
-
-
-@contextlib.contextmanager
-def interruptible(kept: str | None) -> Iterator[None]:
-    """SIGTERM raises like Ctrl-C in the block
-    (:func:`~dask_pcm.interrupts.terminate_as_interrupt`): either unwinds through its
-    ``finally`` blocks (the output folder is written), then the command exits with 130
-    (SIGINT) or 143 (SIGTERM) and one line saying what was ``kept``, not with click's
-    "Aborted!" and status 1."""
-    try:
-        with terminate_as_interrupt():
-            yield
-    except KeyboardInterrupt as exc:
-        line = f"Interrupted ({interrupt_signal(exc).name})" + (f": {kept}" if kept else "")
-        click.echo(line, err=True)
-        raise click.exceptions.Exit(exit_status(exc)) from None
 
 
 def _check_writable(path: str, option: str) -> None:
