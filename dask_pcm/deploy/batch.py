@@ -111,6 +111,18 @@ class SLURMCluster(_ContextJobs, dask_jobqueue.SLURMCluster):
     job_cls = SLURMJob
 
 
+def _with_parent_docs(cls: type) -> type:
+    """``cls`` with the documentation of the dask-jobqueue class it extends appended: what
+    ``help()`` and dask-jobqueue's own tests read (``cores``, ``memory``, ...)."""
+    parent = next(c for c in cls.__mro__ if c.__module__.startswith("dask_jobqueue."))
+    cls.__doc__ = f"{cls.__doc__}\n\n{parent.__doc__ or ''}"
+    return cls
+
+
+for _cls in (SGECluster, HTCondorCluster, SLURMCluster):
+    _with_parent_docs(_cls)
+
+
 def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
     """dask-jobqueue keyword arguments for ``kind``, with what dask_pcm's workers need.
 
