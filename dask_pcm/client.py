@@ -100,9 +100,18 @@ def register(
     wait_s = config.ready_timeout() if timeout is None else _seconds(timeout)
     results = client.run(_wait_ready, names, wait_s, on_error="return")
     failures: dict[str, dict[str, str]] = {}
-    for worker, per_context in results.items():
-        if isinstance(per_context, BaseException):  # the worker died or did not answer
-            per_context = dict.fromkeys(names, f"worker unreachable: {per_context!r}")
+    for worker, per_context in list(results.items()):
+        if isinstance(per_context, BaseException):
+            # The worker left while loading (preempted, scancel'd): no failure of the
+            # context. Workers that join later build it themselves.
+            logger.warning(
+                "Worker %s left while context(s) %s loaded (%r); going on without it",
+                worker,
+                ", ".join(names),
+                per_context,
+            )
+            del results[worker]
+            continue
         for name, error in per_context.items():
             if error is not None:
                 failures.setdefault(name, {})[worker] = error

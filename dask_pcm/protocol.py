@@ -53,6 +53,8 @@ KEEP_WORKERS_OP = "pcm_keep_workers"
 #: apart, so that one row that kills workers costs its own row, not its neighbours' or a
 #: restart loop of the cluster.
 LOSSES_ANNOTATION = "pcm_losses"
+#: Key prefix of the batch layer's tasks (annotated with :data:`LOSSES_ANNOTATION`).
+SPLITTABLE_PREFIX = "pcm-"
 
 _KEPT_BY_SCHEDULER = {"kept_by": "scheduler"}
 

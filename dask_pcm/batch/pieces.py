@@ -14,6 +14,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from dask_pcm import protocol
 from dask_pcm.batch.failures import last_worker
 from dask_pcm.batch.units import Unit
 
@@ -61,10 +62,10 @@ def after_loss(task: Task, error: BaseException) -> Loss:
     pieces = task.pieces
     if len(pieces) > 1:
         logger.warning(
-            "A worker died running units %s..%s (%s); running each of them alone",
+            "Worker %s died running units %s..%s; running each of them alone",
+            last_worker(error),
             pieces[0].unit.name,
             pieces[-1].unit.name,
-            error,
         )
         return Loss(retry=list(pieces))
     piece = pieces[0]
@@ -72,10 +73,10 @@ def after_loss(task: Task, error: BaseException) -> Loss:
         size = -(-piece.rows // SPLIT)
         rows = piece.unit.rows
         logger.warning(
-            "A worker died running %d rows of unit %s (%s); running them in %d pieces",
+            "Worker %s died running %d rows of unit %s; running them in %d pieces",
+            last_worker(error),
             piece.rows,
             piece.unit.name,
-            error,
             -(-piece.rows // size),
         )
         return Loss(
@@ -100,4 +101,5 @@ def task_key(task: Task) -> str:
     """A fresh key for ``task``, naming its first unit (and row, for a piece)."""
     first = task.pieces[0]
     part = f"-r{first.start}" if first.start or first.losses else ""
-    return f"pcm-{first.unit.name}{part}-x{len(task.pieces)}-{os.urandom(4).hex()}"
+    name = f"{first.unit.name}{part}-x{len(task.pieces)}-{os.urandom(4).hex()}"
+    return f"{protocol.SPLITTABLE_PREFIX}{name}"

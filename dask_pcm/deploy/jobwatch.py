@@ -102,12 +102,14 @@ class JobWatch:
         scheduler_info: dict[str, Any]
         scale: Any
         _correct_state: Any
+        _i: int
 
     #: Consecutive jobs that left the queue without their worker ever connecting, after
     #: which no more replacements are submitted (a broken job script would loop forever).
     max_failed_starts = 5
 
     def __init__(self, *args: Any, watch_interval: str | float = "10s", **kwargs: Any) -> None:
+        self._retired: set[str] = set()  # names of jobs that left: never given again
         super().__init__(*args, **kwargs)
         self._ever_connected: set[str] = set()
         self.failed_starts = 0
@@ -170,6 +172,7 @@ class JobWatch:
             return []
         jobs_before = len(self.worker_spec)
         for name in gone:
+            self._retired.add(name)  # never a replacement's name: see new_worker_spec
             started = name in self._ever_connected
             self._ever_connected.discard(name)
             self.worker_spec.pop(name, None)
@@ -200,6 +203,16 @@ class JobWatch:
             self.scale(jobs=jobs_before)
         # Adaptive scaling sees the smaller plan at its next step and asks for more.
         return gone
+
+    def new_worker_spec(self) -> dict[str, Any]:
+        """The next worker spec, under a name no job of this cluster had: a replacement under
+        the name of the job it replaces was dropped again when distributed, seconds later,
+        removed the old worker of that name as lost, and reopened: two jobs for one loss."""
+        spec: dict[str, Any] = super().new_worker_spec()  # type: ignore[misc]
+        while next(iter(spec)) in self._retired:
+            self._i += 1
+            spec = super().new_worker_spec()  # type: ignore[misc]
+        return spec
 
     # -- a cluster that cannot get a worker ----------------------------------------------
     def raise_if_stuck(self) -> None:

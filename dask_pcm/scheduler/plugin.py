@@ -23,6 +23,7 @@ finished on a worker, or erred there), so status costs nothing per task on the w
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -76,6 +77,8 @@ class ContextScheduler(SchedulerPlugin):
         self._stuck_check.start()
         self._http_app = dashboard.install(self)
         metrics.track(self.states)
+        self._quiet = QuietLosses()
+        logging.getLogger("distributed.scheduler").addFilter(self._quiet)
 
     async def close(self) -> None:
         if self.scheduler is None:
@@ -84,6 +87,7 @@ class ContextScheduler(SchedulerPlugin):
         for op in self._handlers:
             self.scheduler.handlers.pop(op, None)
         self._stuck_check.stop()
+        logging.getLogger("distributed.scheduler").removeFilter(self._quiet)
         dashboard.uninstall(self, self._http_app)
         metrics.untrack(self.states)
 
@@ -165,6 +169,21 @@ def limit_losses(scheduler: Scheduler, keys: list[Any]) -> None:
         if losses:
             assert ts is not None
             ts.suspicious = max(ts.suspicious, allowed + 1 - int(losses))
+
+
+class QuietLosses(logging.Filter):
+    """Lowers to DEBUG distributed's ERROR "Task ... marked as failed because N workers
+    died" for tasks annotated with :data:`~dask_pcm.protocol.LOSSES_ANNOTATION`: for them a
+    worker lost to preemption is expected (the count is the preset, not N deaths), and the
+    client that submitted them logs one line and runs their rows again."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "workers died while trying" in str(record.msg):
+            key = record.args[0] if isinstance(record.args, tuple) and record.args else ""
+            if str(key).startswith(protocol.SPLITTABLE_PREFIX):
+                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+                return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
 
 
 def get_plugin(scheduler: Scheduler) -> ContextScheduler:

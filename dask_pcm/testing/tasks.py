@@ -13,3 +13,10 @@ def noted_square(path: str, x: int, seconds: float = 0.5) -> int:
         f.write(f"{x}\n")
     time.sleep(seconds)
     return x * x
+
+
+def slow_loader(location: object, seconds: float = 3.0) -> dict[str, object]:
+    """A context loader that takes ``seconds`` (a model loading), for tests that do
+    something to a worker while it loads; ``functools.partial`` sets the time."""
+    time.sleep(seconds)
+    return {"location": location}

@@ -170,13 +170,19 @@ def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
         assert sync(cluster.loop, cluster.check_jobs) == []  # queued: nothing to do
         cluster.raise_if_stuck()  # jobs waiting in the queue are never stuck
 
-        queue.discard(_FakeSGEJob.submitted[0])  # died before its worker connected
+        # The newest job dies before its worker connected.
+        newest = max(cluster.workers, key=lambda name: int(name.rsplit("-", 1)[1]))
+        queue.discard(cluster.workers[newest].job_id)
         gone = sync(cluster.loop, cluster.check_jobs)
-        assert len(gone) == 1 and cluster.failed_starts == 1
+        assert gone == [newest] and cluster.failed_starts == 1
         while len(_FakeSGEJob.submitted) < 3:  # a replacement keeps scale(2)
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert len(cluster.worker_spec) == 2
+        # Under a name of its own: distributed drops the lost job's name a little later, and
+        # a replacement of the same name was dropped with it and submitted again (two jobs
+        # for one loss, seen in a SLURM soak: 29 jobs for 21 losses).
+        assert gone[0] not in cluster.worker_spec
 
         cluster.raise_if_stuck()  # one failed start, and its replacement queued
         for job_id in range(1000, 1020):  # what Grid Engine keeps of each job's stderr

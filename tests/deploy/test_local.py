@@ -49,3 +49,34 @@ def test_full_level_across_worker_processes(tiny_model_dir):
         table = dask_pcm.status(client)
         assert list(table["loads"]) == [1, 1]
         assert table["tasks"].sum() == 4
+
+
+def test_a_worker_killed_while_its_context_loads_does_not_fail_register():
+    """register() used to raise ContextLoadError ("worker unreachable") when a worker left
+    while the context loaded: on an opportunistic cluster, a preemption during start-up
+    ended the run (seen in the SLURM soak). The context is ready on the others; a worker
+    that joins later builds it."""
+    import os
+    import signal
+    import threading
+    import time
+    from functools import partial
+
+    from dask_pcm.testing.tasks import slow_loader
+
+    with (
+        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2)
+        victim, survivor = sorted(client.scheduler_info()["workers"])
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        killer = threading.Timer(1.5, os.kill, (pid, signal.SIGKILL))  # mid-load
+        killer.start()
+        context = dask_pcm.Context("slow", partial(slow_loader, seconds=4.0))
+        start = time.monotonic()
+        table = dask_pcm.register(client, context)
+        killer.join()
+        assert time.monotonic() - start < 60
+        ready = table[table["state"] == "ready"]
+        assert survivor in set(ready["worker"]) and victim not in set(table["worker"])

@@ -357,3 +357,23 @@ def test_status_json_route_matches_status_and_metrics(one_worker):
         if line.startswith('dask_pcm_tasks_total{context="gated"')
     ]
     assert sum(served) == 6
+
+
+def test_losses_of_splittable_tasks_do_not_log_errors_on_the_scheduler():
+    """distributed logs ERROR "Task … marked as failed because 4 workers died" for a task of
+    the batch layer after one worker died (its count of deaths starts at the preset): on a
+    preempted cluster that read as failures, one per task. Others' tasks keep the ERROR."""
+    import logging
+
+    from dask_pcm.scheduler.plugin import QuietLosses
+
+    message = "Task %s marked as failed because %d workers died while trying to run it"
+
+    def record(key: str) -> logging.LogRecord:
+        return logging.LogRecord("distributed.scheduler", logging.ERROR, __file__, 1, message,
+                                 (key, 4), None)  # fmt: skip
+
+    quiet = QuietLosses()
+    ours, theirs = record("pcm-direct--00001-x4-abcd"), record("inc-123")
+    assert quiet.filter(ours) is False and ours.levelno == logging.DEBUG
+    assert quiet.filter(theirs) is True and theirs.levelno == logging.ERROR
