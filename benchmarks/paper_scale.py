@@ -92,9 +92,9 @@ import dask.config
 import psutil
 
 import dask_pcm
+from dask_pcm.batch.segments import INDEX, PATTERN, UNITS_KEY
 from dask_pcm.fever import Claim, demo_claims, load_claims
 from dask_pcm.fever.scoring import score_logits
-from dask_pcm.batch.segments import INDEX, PATTERN, UNITS_KEY
 from dask_pcm.fever.templates import get_templates
 from dask_pcm.fever.units import Unit, make_units, template_head
 
