@@ -111,6 +111,7 @@ class Preemptor(threading.Thread):
             self.error = exc
 
 
+@pytest.mark.soak
 def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
     # The demo claims three times over: a replacement takes 15-25 s (lost-worker timeout,
     # watchdog, job start, template from a peer, load), and the run must outlast four.
