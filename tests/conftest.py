@@ -118,3 +118,40 @@ def run_in_threads(work: Callable[[], Any], count: int) -> list[BaseException]:
     for t in threads:
         t.join()
     return errors
+
+
+def one_host_batch_cluster(kind: str, tmp_path: Path, workers: int, **kwargs: Any) -> Any:
+    """A ``dask_pcm.batch_cluster`` of ``kind`` on this host's one-host batch system (ci/sge,
+    ci/slurm): one core and one worker per job, on loopback, logs and scratch in
+    ``tmp_path``, a watchdog every second; the jobs are told where the converted model is
+    (batch jobs start with a fresh environment)."""
+    import dask_pcm
+
+    cache = dask_pcm.config.cache_directory()
+    options: dict[str, Any] = {
+        "workers": workers,
+        "cores": 1,
+        "processes": 1,
+        "interface": "lo",
+        "log_directory": str(tmp_path / "logs"),
+        "local_directory": str(tmp_path / "scratch"),
+        "watch_interval": "1s",
+        "scheduler_options": {"dashboard_address": ":0"},
+        "job_script_prologue": [f"export DASK_PCM__CACHE_DIRECTORY={cache}"],
+    }
+    return dask_pcm.batch_cluster(kind, **{**options, **kwargs})
+
+
+def job_of(cluster: Any, client: Client, address: str) -> str:
+    """The batch job id of the worker at ``address``."""
+    name = client.scheduler_info()["workers"][address]["name"]
+    return str(cluster.workers[name].job_id)
+
+
+def wait_for(condition: Callable[[], Any], seconds: float, what: str) -> Any:
+    """Poll ``condition`` until it is true (and return it), failing after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
+        time.sleep(0.2)
+    return value

@@ -3,14 +3,16 @@ what a failed write says, leftovers of killed runs, and the list of failed units
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dask_pcm.exceptions import OutputFolderError
 
@@ -101,16 +103,19 @@ def read_errors(path: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def write_atomically(root: Path, path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` in ``root`` atomically and durably: a hidden temporary file,
-    fsynced, renamed into place, the folder fsynced; a failure raises
-    :class:`~dask_pcm.exceptions.OutputFolderError` saying how to go on."""
+@contextlib.contextmanager
+def atomic_file(root: Path, path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """A file of ``root`` written whole or not at all, durably: a hidden temporary file (named
+    so that the next run removes one a kill left), fsynced, renamed into place, the folder
+    fsynced; a failure raises :class:`~dask_pcm.exceptions.OutputFolderError` saying how to
+    go on."""
     if path.parent != root:
         raise OutputFolderError(f"refusing to write {path}: outside {root}")
     tmp = root / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    text = {} if "b" in mode else {"encoding": "utf-8"}
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
+        with open(tmp, mode, **text) as f:  # type: ignore[call-overload]
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -120,3 +125,9 @@ def write_atomically(root: Path, path: Path, data: bytes) -> None:
             raise write_failed(root, path, exc) from exc
         raise
     _fsync_directory(root)
+
+
+def write_atomically(root: Path, path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` in ``root`` with :func:`atomic_file`."""
+    with atomic_file(root, path) as f:
+        f.write(data)

@@ -25,7 +25,14 @@ from dask_pcm.fever import demo_claims
 from dask_pcm.fever.run import CONTEXT, run_fever
 from dask_pcm.fever.templates import BUILTIN_TEMPLATES
 from dask_pcm.testing.tasks import noted_square
-from tests.conftest import assert_handed_back, load_the_victim, require_batch_system
+from tests.conftest import (
+    assert_handed_back,
+    job_of,
+    load_the_victim,
+    one_host_batch_cluster,
+    require_batch_system,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.sge, pytest.mark.slow]
 
@@ -38,35 +45,7 @@ def grid_engine() -> None:
 
 
 def _sge_cluster(tmp_path: Path, workers: int, **kwargs):
-    cache = dask_pcm.config.cache_directory()
-    return dask_pcm.batch_cluster(
-        "sge",
-        workers=workers,
-        cores=1,
-        memory="4GB",
-        processes=1,
-        interface="lo",
-        log_directory=str(tmp_path / "logs"),
-        local_directory=str(tmp_path / "scratch"),
-        watch_interval="1s",
-        scheduler_options={"dashboard_address": ":0"},
-        # SGE jobs start with a fresh environment: say where the converted model is.
-        job_script_prologue=[f"export DASK_PCM__CACHE_DIRECTORY={cache}"],
-        **kwargs,
-    )
-
-
-def _job_of(cluster, client: Client, address: str) -> str:
-    name = client.scheduler_info()["workers"][address]["name"]
-    return cluster.workers[name].job_id
-
-
-def _wait(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
-        time.sleep(0.2)
-    return value
+    return one_host_batch_cluster("sge", tmp_path, workers, memory="4GB", **kwargs)
 
 
 class Preemptor(threading.Thread):
@@ -97,7 +76,7 @@ class Preemptor(threading.Thread):
                         return
                 victim = ready[len(self.done) % 2]
                 if len(self.done) < 3:  # three qdels first, then a vanished node
-                    subprocess.run(["qdel", _job_of(self.cluster, self.client, victim)], check=True)
+                    subprocess.run(["qdel", job_of(self.cluster, self.client, victim)], check=True)
                     self.done.append(("qdel", victim))
                 else:
                     pid = self.client.run(os.getpid, workers=[victim])[victim]
@@ -170,10 +149,10 @@ def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_di
         client.wait_for_workers(2, timeout=120)
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
         victim, other, held, queued = load_the_victim(client, noted_square, log)
-        job = _job_of(cluster, client, victim)
+        job = job_of(cluster, client, victim)
         start = time.monotonic()
         subprocess.run(["qdel", job], check=True)
-        _wait(
+        wait_for(
             lambda: victim not in client.scheduler_info()["workers"], 60, "the warned worker to go"
         )
         # It left on the warning, well before Grid Engine's kill (the queue's notify time).
@@ -245,7 +224,7 @@ def test_a_job_that_dies_before_its_worker_connects_is_replaced(tmp_path):
         client.wait_for_workers(1, timeout=120)
         assert marker.exists()
         # The count of failed starts is reset at the watchdog's next look (every 1 s here).
-        _wait(lambda: cluster.failed_starts == 0, 10, "the watchdog to see the worker")
+        wait_for(lambda: cluster.failed_starts == 0, 10, "the watchdog to see the worker")
         assert cluster.replaced_jobs >= 1
         assert len(cluster.worker_spec) == 1
 
@@ -268,7 +247,7 @@ def test_a_job_qsub_rejects_ends_the_wait_with_qsubs_message(tmp_path):
         _sge_cluster(tmp_path, workers=1, queue="nosuch.q") as cluster,
     ):
         start = time.monotonic()
-        error = _wait(lambda: _stuck_error(cluster), 30, "raise_if_stuck to raise")
+        error = wait_for(lambda: _stuck_error(cluster), 30, "raise_if_stuck to raise")
         waited = time.monotonic() - start
     assert 2 <= waited < 8, waited  # the start timeout, plus at most a watch interval or so
     assert QSUB_SAID in error.output
@@ -283,7 +262,7 @@ def test_a_job_waiting_in_the_queue_is_not_stuck(tmp_path):
         dask.config.set({"pcm.jobs.start-timeout": "1s"}),
         _sge_cluster(tmp_path, workers=1, job_extra_directives=["-h"]) as cluster,
     ):
-        job_id = _wait(
+        job_id = wait_for(
             lambda: next((job.job_id for job in cluster.workers.values() if job.job_id), None),
             30,
             "the job to be submitted",

@@ -5,7 +5,6 @@ on worker jobs. Marked ``slurm``: skipped without SLURM unless PCM_REQUIRE_SLURM
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,14 @@ from distributed import Client
 
 import dask_pcm
 from dask_pcm.testing.tasks import noted_square
-from tests.conftest import assert_handed_back, load_the_victim, require_batch_system
+from tests.conftest import (
+    assert_handed_back,
+    job_of,
+    load_the_victim,
+    one_host_batch_cluster,
+    require_batch_system,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -26,35 +32,9 @@ def slurm() -> None:
 
 
 def _slurm_cluster(tmp_path: Path, workers: int, **kwargs):
-    cache = dask_pcm.config.cache_directory()
-    return dask_pcm.batch_cluster(
-        "slurm",
-        workers=workers,
-        cores=1,
-        memory="2GB",
-        processes=1,
-        interface="lo",
-        walltime="00:30:00",
-        log_directory=str(tmp_path / "logs"),
-        local_directory=str(tmp_path / "scratch"),
-        watch_interval="1s",
-        scheduler_options={"dashboard_address": ":0"},
-        job_script_prologue=[f"export DASK_PCM__CACHE_DIRECTORY={cache}"],
-        **kwargs,
+    return one_host_batch_cluster(
+        "slurm", tmp_path, workers, memory="2GB", walltime="00:30:00", **kwargs
     )
-
-
-def _job_of(cluster, client: Client, address: str) -> str:
-    name = client.scheduler_info()["workers"][address]["name"]
-    return cluster.workers[name].job_id
-
-
-def _wait(condition, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def _our_jobs() -> list[str]:
@@ -71,9 +51,9 @@ def test_a_warned_worker_hands_its_work_back(tmp_path, tiny_model_dir):
         client.wait_for_workers(2, timeout=120)
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
         victim, other, held, queued = load_the_victim(client, noted_square, log)
-        job = _job_of(cluster, client, victim)
+        job = job_of(cluster, client, victim)
         subprocess.run(["scancel", "-b", "--signal=USR2", job], check=True)
-        _wait(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
+        wait_for(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
         assert_handed_back(client, held, queued, other, log)
         err = (tmp_path / "logs" / f"dask-worker-{job}.err").read_text()
         assert "USR2 received; asking the worker to hand its work back" in err
@@ -85,12 +65,12 @@ def test_a_requeued_job_rejoins_and_no_extra_job_is_submitted(tmp_path, tiny_mod
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
         victim = sorted(client.scheduler_info()["workers"])[0]
         name = client.scheduler_info()["workers"][victim]["name"]
-        job = _job_of(cluster, client, victim)
+        job = job_of(cluster, client, victim)
         subprocess.run(["scontrol", "requeue", job], check=True)
-        _wait(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
+        wait_for(lambda: victim not in client.scheduler_info()["workers"], 60, "the worker to go")
         # Requeued, the job starts again from the top (after cred_expire, 10 s here) and its
         # worker joins under the same name, its context rebuilt.
-        _wait(
+        wait_for(
             lambda: any(
                 w["name"] == name and a != victim
                 for a, w in client.scheduler_info()["workers"].items()
@@ -103,7 +83,7 @@ def test_a_requeued_job_rejoins_and_no_extra_job_is_submitted(tmp_path, tiny_mod
         err = (tmp_path / "logs" / f"dask-worker-{job}.err").read_text()
         assert "restart 1" in err  # SLURM_RESTART_COUNT, logged by the job script
         rows = dask_pcm.status(client, ["tiny"])
-        _wait(lambda: (dask_pcm.status(client, ["tiny"])["state"] == "ready").sum() == 2, 120,
+        wait_for(lambda: (dask_pcm.status(client, ["tiny"])["state"] == "ready").sum() == 2, 120,
               "the context on the rejoined worker")  # fmt: skip
         assert len(rows) >= 1
 
@@ -146,4 +126,4 @@ def test_cli_runs_fever_on_slurm_jobs(tmp_path, tiny_model_dir):
     assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
     assert sum(w["tasks"] for w in report["workers"]) == 6
     # The run cancelled its jobs when it ended (completing ones may still be listed).
-    _wait(lambda: all(" COMPLETING" in j or not j for j in _our_jobs()), 30, "the jobs to end")
+    wait_for(lambda: all(" COMPLETING" in j or not j for j in _our_jobs()), 30, "the jobs to end")

@@ -13,13 +13,12 @@ import json
 import logging
 import os
 import socket
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from dask_pcm import locks
-from dask_pcm.batch.files import LOCK, write_failed
+from dask_pcm.batch.files import LOCK, atomic_file
 from dask_pcm.batch.openai.input import Request, Requests
 from dask_pcm.batch.run import BatchResult
 from dask_pcm.exceptions import OutputFolderError
@@ -93,7 +92,10 @@ def write_results(
         raise OutputFolderError(f"output folder {root} is in use by another run ({exc})") from None
     counts = [0, 0]
     try:
-        with _atomic_lines(root, OUTPUT) as answers, _atomic_lines(root, ERRORS) as problems:
+        with (
+            atomic_file(root, root / OUTPUT, "w") as answers,
+            atomic_file(root, root / ERRORS, "w") as problems,
+        ):
             for request in read.items:
                 line = _line(request, rows.get(request.custom_id), model, failed_units, unit_of)
                 good = line["error"] is None
@@ -125,25 +127,6 @@ def _line(
         response = {"status_code": 200, "request_id": f"req_{key}", "body": answer}
         return {**line, "response": response, "error": None}
     return {**line, "response": None, "error": {"code": code, "message": message}}
-
-
-@contextlib.contextmanager
-def _atomic_lines(root: Path, name: str) -> Iterator[IO[str]]:
-    """A text file written whole or not at all: to a hidden temporary file named as the
-    store names its own (so the next run removes one a kill left), renamed into place."""
-    path = root / name
-    tmp = root / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise write_failed(root, path, exc) from exc
-        raise
 
 
 @contextlib.contextmanager
