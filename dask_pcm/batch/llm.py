@@ -25,12 +25,12 @@ from dask_pcm.loaders.generation import (
     continuation_logprobs,
     continuation_start,
     eos_ids,
-    left_padded,
     mean_hidden,
     sample,
     stop_position,
 )
 from dask_pcm.loaders.model import prompt_problem
+from dask_pcm.loaders.prefix import left_padded
 from dask_pcm.tasks import get_context
 
 if TYPE_CHECKING:

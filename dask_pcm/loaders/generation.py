@@ -2,8 +2,8 @@
 :class:`~dask_pcm.loaders.model.LanguageModel` offers: sampling, the log-likelihood of given
 continuations, hidden states.
 
-- :func:`left_padded`: token id lists as left-padded input ids, attention mask and positions
-  that count real tokens only, so a padded row computes what the same row alone would.
+- passes over rows padded on the left with positions that count real tokens only
+  (:func:`dask_pcm.loaders.prefix.forward`), so a padded row computes what it would alone;
 - :func:`sample`: one prompt's continuation, drawn token by token from its own
   ``torch.Generator`` (temperature and nucleus ``top_p``), so that what a row gets depends on
   its seed alone, never on the rows around it.
@@ -24,34 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dask_pcm.loaders.prefix import States, _cache_argument, to_device
-
-
-def left_padded(rows: Sequence[Sequence[int]], pad_id: int, prefix_len: int = 0) -> tuple[Any, ...]:
-    """``input_ids``, ``attention_mask`` (``prefix_len`` cached tokens included) and
-    ``position_ids`` of ``rows`` padded on the left, as CPU tensors.
-
-    Example
-    -------
-    >>> ids, mask, positions = left_padded([[5, 6, 7], [8]], pad_id=0)
-    >>> ids.tolist(), mask.tolist(), positions.tolist()
-    ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
-    """
-    import torch
-
-    width = max(len(r) for r in rows)
-    batch = len(rows)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch, prefix_len + width), dtype=torch.long)
-    mask[:, :prefix_len] = 1
-    positions = torch.full((batch, width), prefix_len, dtype=torch.long)
-    for i, row in enumerate(rows):
-        n = len(row)
-        if n:
-            input_ids[i, width - n :] = torch.tensor(list(row), dtype=torch.long)
-            mask[i, prefix_len + width - n :] = 1
-            positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
-    return input_ids, mask, positions
+from dask_pcm.loaders.prefix import States, cache_argument, forward, left_padded, to_device
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -109,7 +82,7 @@ def sample(
     """
     import torch
 
-    argument = _cache_argument(model)
+    argument = cache_argument(model)
     tokens: list[int] = []
     cache = None
     step = torch.tensor([list(ids)], dtype=torch.long)
@@ -201,27 +174,12 @@ def continuation_logprobs(
     of its tokens from index ``starts[i]`` on (at least 1: a row's first token has no
     prediction here), in one forward pass. Only the last positions' logits are computed."""
     import torch
-    from transformers import DynamicCache
 
     keep = max(len(r) - s for r, s in zip(rows, starts, strict=True)) + 1
-    input_ids, mask, positions = left_padded(rows, pad_id, prefix_len)
-    width = input_ids.shape[1]
-    batch = len(rows)
-    cache = None
-    if prefix is not None:
-        # A fresh cache over views of the kept states: the pass appends to its own copy.
-        expanded = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in prefix]
-        cache = DynamicCache(ddp_cache_data=expanded, config=model.config)
+    width = max(len(r) for r in rows)
+    logits = forward(model, rows, pad_id, device, prefix, prefix_len, keep)
     with torch.inference_mode():
-        out = model(
-            input_ids=to_device(input_ids, device),
-            attention_mask=to_device(mask, device),
-            position_ids=to_device(positions, device),
-            use_cache=cache is not None,
-            logits_to_keep=keep,
-            **({} if cache is None else {_cache_argument(model): cache}),
-        )
-        logprobs = torch.log_softmax(out.logits.float(), dim=-1)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         sums = []
         for i, (row, start) in enumerate(zip(rows, starts, strict=True)):
             n = len(row)

@@ -98,7 +98,7 @@ class PrefixCache:
         return shared, states
 
 
-def _cache_argument(model: Any) -> str:
+def cache_argument(model: Any) -> str:
     """What the model's forward calls its key/value cache: ``cache`` from transformers 5.x
     on, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
     return _cache_argument_of(type(model).forward)
@@ -139,8 +139,54 @@ def last_logits(
 ) -> Any:
     """Next-token logits after each row (token ids following ``prefix_len`` cached tokens),
     as float32 on the CPU, shape ``[len(rows), vocab]``."""
+    return forward(model, rows, pad_id, device, prefix, prefix_len, keep=1)[:, -1, :].float().cpu()
+
+
+def forward(
+    model: Any,
+    rows: Sequence[Sequence[int]],
+    pad_id: int,
+    device: str,
+    prefix: States | None = None,
+    prefix_len: int = 0,
+    keep: int = 1,
+) -> Any:
+    """The logits of the last ``keep`` positions of one pass over ``rows`` (token ids after
+    ``prefix_len`` cached tokens, padded on the left), on the model's device."""
     import torch
     from transformers import DynamicCache
+
+    input_ids, mask, positions = left_padded(rows, pad_id, prefix_len)
+    cache = None
+    if prefix is not None:
+        # A fresh cache per pass over views of the kept states: the pass appends to its own
+        # copy (torch.cat), never to what is kept.
+        batch = len(rows)
+        expanded = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in prefix]
+        cache = DynamicCache(ddp_cache_data=expanded, config=model.config)
+    with torch.inference_mode():
+        out = model(
+            input_ids=to_device(input_ids, device),
+            attention_mask=to_device(mask, device),
+            position_ids=to_device(positions, device),
+            use_cache=cache is not None,
+            logits_to_keep=keep,
+            **({} if cache is None else {cache_argument(model): cache}),
+        )
+    return out.logits
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int, prefix_len: int = 0) -> tuple[Any, ...]:
+    """``input_ids``, ``attention_mask`` (``prefix_len`` cached tokens included) and
+    ``position_ids`` of ``rows`` padded on the left, as CPU tensors.
+
+    Example
+    -------
+    >>> ids, mask, positions = left_padded([[5, 6, 7], [8]], pad_id=0)
+    >>> ids.tolist(), mask.tolist(), positions.tolist()
+    ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
+    """
+    import torch
 
     width = max(len(r) for r in rows)
     batch = len(rows)
@@ -150,22 +196,8 @@ def last_logits(
     positions = torch.full((batch, width), prefix_len, dtype=torch.long)
     for i, row in enumerate(rows):
         n = len(row)
-        input_ids[i, width - n :] = torch.tensor(list(row), dtype=torch.long)
-        mask[i, prefix_len + width - n :] = 1
-        positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
-    cache = None
-    if prefix is not None:
-        # A fresh cache per pass over views of the kept states: the pass appends to its own
-        # copy (torch.cat), never to what is kept.
-        expanded = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in prefix]
-        cache = DynamicCache(ddp_cache_data=expanded, config=model.config)
-    with torch.inference_mode():
-        out = model(
-            input_ids=to_device(input_ids, device),
-            attention_mask=to_device(mask, device),
-            position_ids=to_device(positions, device),
-            use_cache=cache is not None,
-            logits_to_keep=1,
-            **({} if cache is None else {_cache_argument(model): cache}),
-        )
-    return out.logits[:, -1, :].float().cpu()
+        if n:
+            input_ids[i, width - n :] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, prefix_len + width - n :] = 1
+            positions[i, width - n :] = torch.arange(prefix_len, prefix_len + n)
+    return input_ids, mask, positions
