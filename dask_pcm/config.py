@@ -2,13 +2,17 @@
 
 Defaults live in ``pcm.yaml`` beside this module. Override them like any Dask setting: in
 ``~/.config/dask/pcm.yaml``, with ``dask.config.set({"pcm.worker.load-concurrency": 2})`` or
-with environment variables such as ``DASK_PCM__WORKER__LOAD_CONCURRENCY=2``.
+with environment variables such as ``DASK_PCM__WORKER__LOAD_CONCURRENCY=2``. Every key is
+described in ``pcm-schema.yaml``; a ``pcm.*`` key that is none of them (a typo in a user's
+config file or environment) is reported once, when this module loads, with the closest key.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +137,74 @@ def job_start_timeout() -> float | None:
     """Seconds a batch cluster may fail to start any worker (``pcm.jobs.start-timeout``)."""
     value = get("jobs.start-timeout")
     return None if value is None else _seconds(value)
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    for key, value in tree.items():
+        path = f"{prefix}.{key}"
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, path)
+        else:
+            yield path
+
+
+def _known_keys() -> set[str]:
+    """Every ``pcm.*`` leaf key of ``pcm.yaml``, and the deprecated ``pcm.fever.<batch key>``
+    aliases that :func:`batch` still reads."""
+    keys = set(_leaves(_DEFAULTS["pcm"], "pcm"))
+    return keys | {f"pcm.fever.{key}" for key in _DEFAULTS["pcm"]["batch"]}
+
+
+def _environment_variable(key: str) -> str | None:
+    """The ``DASK_*`` variable that Dask read ``key`` from, if one did."""
+    for name in os.environ:
+        if name.startswith("DASK_") and name[5:].lower().replace("__", ".") == key:
+            return name
+    return None
+
+
+def unknown_keys(configuration: Mapping[str, Any] | None = None) -> list[tuple[str, str | None]]:
+    """``(key, closest known key or None)`` for every ``pcm.*`` key of ``configuration``
+    (by default Dask's, as loaded from config files and the environment) that is no setting.
+
+    Dask reads ``_`` and ``-`` in a key alike (``DASK_PCM__BATCH__FLUSH_INTERVAL`` sets
+    ``pcm.batch.flush-interval``), and so does this check; a section that is unknown has each
+    key under it reported.
+
+    Examples
+    --------
+    >>> unknown_keys({"pcm": {"batch": {"flush_intervl": "10s"}}})
+    [('pcm.batch.flush_intervl', 'pcm.batch.flush-interval')]
+    """
+    if configuration is None:
+        configuration = dask.config.config
+    section = configuration.get("pcm")
+    if not isinstance(section, Mapping):
+        return []
+    known = _known_keys()
+    sections = {key.rsplit(".", 1)[0] for key in known}
+    found = []
+    for key in _leaves(section, "pcm"):
+        canonical = key.replace("_", "-")
+        if canonical in known or canonical in sections:
+            continue  # a setting, or a section set to an empty mapping
+        close = difflib.get_close_matches(canonical, sorted(known), n=1)
+        found.append((key, close[0] if close else None))
+    return found
+
+
+def warn_unknown_keys(configuration: Mapping[str, Any] | None = None) -> None:
+    """Warn (``UserWarning``) about each key :func:`unknown_keys` finds, naming the closest
+    setting. Called once, when dask_pcm's configuration loads."""
+    for key, close in unknown_keys(configuration):
+        variable = _environment_variable(key) if configuration is None else None
+        where = f" (environment variable {variable})" if variable else ""
+        hint = f"did you mean {close}?" if close else f"the settings are in {_DEFAULTS_FILE}"
+        warnings.warn(
+            f"{key}{where} is not a dask_pcm setting and is ignored: {hint}",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+warn_unknown_keys()
