@@ -13,7 +13,7 @@ scheduler's transitions).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 # States of a context on one worker:
 #   absent -> fetching -> loading -> ready;  any -> failed;  ready -> evicted -> loading
@@ -36,6 +36,39 @@ STATE_COLOURS = {
     ABSENT: "#aaaaaa",
     CLOSED: "#aaaaaa",
 }
+
+#: Worker plugins are registered under this prefix followed by the context's name.
+PLUGIN_PREFIX = "dask-pcm-context-"
+
+
+def plugin_name(context_name: str) -> str:
+    """Name under which the worker plugin for ``context_name`` is registered."""
+    return PLUGIN_PREFIX + context_name
+
+
+@runtime_checkable
+class ContextSource(Protocol):
+    """What a context task asks of the worker plugin of one context.
+
+    :class:`dask_pcm.worker.ContextPlugin` is one; :mod:`dask_pcm.tasks` finds it in
+    ``worker.plugins`` under :func:`plugin_name` and needs nothing else of the worker side,
+    so the task marker (imported by the scheduler) does not import the worker's stack.
+    ``state`` is only there once the plugin is set up on the worker.
+    """
+
+    @property
+    def state(self) -> str:
+        """The context's state on this worker (one of :data:`STATES`)."""
+        ...
+
+    def acquire(self) -> tuple[Any, bool]:
+        """The object for one task, and whether the task owns it (releases it after)."""
+        ...
+
+    def done(self, value: Any, owned: bool) -> None:
+        """The task is done with ``value``."""
+        ...
+
 
 # The worker plugin's report, over the worker's batched stream (ordered with task results).
 STATE_OP = "pcm-context-state"

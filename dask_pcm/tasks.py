@@ -14,7 +14,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import cloudpickle
 from dask.base import tokenize
@@ -22,13 +22,13 @@ from dask.utils import funcname
 from distributed import get_worker
 
 from dask_pcm.exceptions import ContextNotFoundError
-from dask_pcm.worker import ContextPlugin, context_plugins, plugin_name
+from dask_pcm.protocol import PLUGIN_PREFIX, ContextSource, plugin_name
 
 # Contexts acquired by the ContextTask running in this thread: {name: object}.
 _scope = threading.local()
 
 
-def _plugin(name: str) -> ContextPlugin:
+def _plugin(name: str) -> ContextSource:
     try:
         worker = get_worker()
     except ValueError:
@@ -37,13 +37,24 @@ def _plugin(name: str) -> ContextPlugin:
             "submit the function with dask_pcm.submit / dask_pcm.map"
         ) from None
     plugin = worker.plugins.get(plugin_name(name))
-    if not isinstance(plugin, ContextPlugin) or not hasattr(plugin, "state"):
-        known = sorted(context_plugins(worker))
+    if not _set_up(plugin):
+        known = sorted(
+            key[len(PLUGIN_PREFIX) :]
+            for key, other in list(worker.plugins.items())
+            if key.startswith(PLUGIN_PREFIX) and _set_up(other)
+        )
         raise ContextNotFoundError(
             f"context {name!r} is not registered on worker {worker.address} "
             f"(registered: {known or 'none'}); call dask_pcm.register(client, context) first"
         )
     return plugin
+
+
+def _set_up(plugin: object) -> TypeGuard[ContextSource]:
+    """Whether ``plugin`` is a context plugin set up on this worker: its ``state`` only
+    exists from ``setup`` on (``hasattr`` runs the property; ``isinstance`` against a
+    protocol does not, from Python 3.12)."""
+    return isinstance(plugin, ContextSource) and hasattr(plugin, "state")
 
 
 def get_context(name: str) -> Any:
@@ -82,7 +93,7 @@ def get_context(name: str) -> Any:
 def _acquired(names: Sequence[str]) -> Iterator[None]:
     held: dict[str, Any] = getattr(_scope, "contexts", None) or {}
     outer = dict(held)
-    taken: list[tuple[ContextPlugin, Any, bool]] = []
+    taken: list[tuple[ContextSource, Any, bool]] = []
     try:
         for name in names:
             plugin = _plugin(name)

@@ -42,8 +42,10 @@ from dask_pcm.protocol import (
     FAILED,
     FETCHING,
     LOADING,
+    PLUGIN_PREFIX,
     READY,
     ContextStatus,
+    plugin_name,
 )
 from dask_pcm.worker.budget import MemoryBudget
 from dask_pcm.worker.holder import Holder
@@ -58,12 +60,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_PREFIX = "dask-pcm-context-"
-
-
-def plugin_name(context_name: str) -> str:
-    """Name under which the plugin for ``context_name`` is registered."""
-    return PLUGIN_PREFIX + context_name
+__all__ = ["PLUGIN_PREFIX", "ContextPlugin", "context_plugins", "plugin_name"]
 
 
 def _describe(exc: BaseException) -> str:
