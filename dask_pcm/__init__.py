@@ -51,9 +51,9 @@ from dask_pcm.exceptions import (
     UnitError,
 )
 from dask_pcm.fever.run import FeverResult, run_fever
-from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.llm import CausalLM, LanguageModel
 from dask_pcm.tasks import ContextTask, get_context, uses_context
+from dask_pcm.templates.embedded import embedded_model_dir
 from dask_pcm.testing.models import build_tiny_llama
 
 try:

@@ -28,9 +28,9 @@ from dask_pcm.fever.data import ERRORS
 from dask_pcm.fever.run import run_fever
 from dask_pcm.fever.scoring import METHODS
 from dask_pcm.gpus import visible_gpus
-from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.gpu import DTYPES
 from dask_pcm.tasks import get_context
+from dask_pcm.templates.embedded import embedded_model_dir
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dask_pcm.exceptions import ModelSourceError
-from dask_pcm.loaders import embedded
+from dask_pcm.templates import embedded
 from dask_pcm.templates.tree import TemplateFiles, check_links
 
 logger = logging.getLogger(__name__)

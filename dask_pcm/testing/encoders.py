@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dask_pcm.loaders.embedded import replace_dir
+from dask_pcm.templates.embedded import replace_dir
 from dask_pcm.testing.models import _CORPUS
 
 POOLING = "1_Pooling/config.json"

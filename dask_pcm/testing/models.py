@@ -14,7 +14,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from dask_pcm.loaders.embedded import is_model_dir, replace_dir
+from dask_pcm.templates.embedded import is_model_dir, replace_dir
 
 _TINY_MARKER = ".pcm-tiny-llama.json"
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from dask.base import tokenize
 
-import dask_pcm.loaders.embedded
+import dask_pcm.templates.embedded
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
-from dask_pcm.loaders.embedded import embedded_model_dir
 from dask_pcm.loaders.llm import CausalLM, LanguageModel
 from dask_pcm.loaders.model import build_for_one_task
+from dask_pcm.templates.embedded import embedded_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_embedded_smollm2_answers_and_is_converted_only_once(monkeypatch):
     def no_conversion(*args, **kwargs):
         raise AssertionError("embedded model converted again")
 
-    monkeypatch.setattr(dask_pcm.loaders.embedded, "convert_gguf", no_conversion)
+    monkeypatch.setattr(dask_pcm.templates.embedded, "convert_gguf", no_conversion)
     start = time.perf_counter()
     again = embedded_model_dir()
     assert time.perf_counter() - start < 1

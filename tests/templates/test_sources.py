@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-import dask_pcm.loaders.embedded
+import dask_pcm.templates.embedded
 from dask_pcm.exceptions import ModelSourceError
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.sources import (
@@ -48,7 +48,7 @@ def _same_files(a: Path, b: Path) -> bool:
 @pytest.mark.parametrize("source", [None, EMBEDDED])
 def test_embedded_resolves_to_the_converted_directory(source, monkeypatch, tmp_path):
     # The real conversion is covered by the slow test in test_llm.py; here only the dispatch.
-    monkeypatch.setattr(dask_pcm.loaders.embedded, "embedded_model_dir", lambda: tmp_path)
+    monkeypatch.setattr(dask_pcm.templates.embedded, "embedded_model_dir", lambda: tmp_path)
     assert resolve_source(source) == ResolvedSource("directory", tmp_path, EMBEDDED)
 
 

@@ -1,4 +1,4 @@
-"""The embedded model's plumbing and the tiny test model (dask_pcm.loaders.embedded)."""
+"""The embedded model's plumbing and the tiny test model (dask_pcm.templates.embedded)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import dask
 import pytest
 from safetensors.numpy import load_file
 
-import dask_pcm.loaders.embedded
+import dask_pcm.templates.embedded
 from dask_pcm.exceptions import ModelSourceError
-from dask_pcm.loaders.embedded import convert_gguf, embedded_gguf_path, embedded_model_dir
 from dask_pcm.loaders.llm import CausalLM
+from dask_pcm.templates.embedded import convert_gguf, embedded_gguf_path, embedded_model_dir
 from dask_pcm.testing import build_tiny_llama
 
 
@@ -150,7 +150,7 @@ def test_embedded_model_dir_converts_once_across_concurrent_callers(
         shutil.copytree(tiny_model_dir, out_dir)
         return out_dir
 
-    monkeypatch.setattr(dask_pcm.loaders.embedded, "convert_gguf", fake_convert)
+    monkeypatch.setattr(dask_pcm.templates.embedded, "convert_gguf", fake_convert)
     results = []
     barrier = threading.Barrier(3)
 
@@ -159,7 +159,7 @@ def test_embedded_model_dir_converts_once_across_concurrent_callers(
         results.append(embedded_model_dir())
 
     with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
-        with caplog.at_level(logging.INFO, logger="dask_pcm.loaders.embedded"):
+        with caplog.at_level(logging.INFO, logger="dask_pcm.templates.embedded"):
             threads = [threading.Thread(target=call) for _ in range(3)]
             for t in threads:
                 t.start()
