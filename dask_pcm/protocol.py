@@ -78,6 +78,8 @@ CHUNK_OP = "pcm_template_chunk"
 CHUNK_PLAN_OP = "pcm_chunk_plan"
 CHUNK_HAVE_OP = "pcm_chunk_have"
 KEEP_WORKERS_OP = "pcm_keep_workers"
+# Scheduler handler: register()'s wait until its contexts are ready or failed everywhere.
+SETTLE_OP = "pcm_settle"
 
 #: Task annotation (``dask.annotate(**{LOSSES_ANNOTATION: n})``): the task errs with
 #: :class:`~distributed.scheduler.KilledWorker` once ``n`` workers died running it, instead

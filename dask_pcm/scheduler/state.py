@@ -65,13 +65,14 @@ class ContextStates:
         self.load_durations: dict[str, list[float]] = {}
 
     # -- changes -------------------------------------------------------------------------
-    def declare(self, name: str, level: str, workers: Iterable[str]) -> None:
-        """A context was registered: expect a report from every worker."""
+    def declare(self, name: str, level: str, workers: Iterable[str], fresh: bool = False) -> None:
+        """A context was registered: expect a report from every worker (``fresh``: from a
+        new worker plugin, so what the workers reported before is dropped)."""
         self.levels[name] = level
         by_worker = self.placements.setdefault(name, {})
         for worker in workers:
             current = by_worker.get(worker)
-            if current is None or current.level != level:
+            if fresh or current is None or current.level != level:
                 by_worker[worker] = Placement(worker=worker, context=name, level=level)
 
     def forget(self, name: str) -> None:
