@@ -70,9 +70,9 @@ def _describe(exc: BaseException) -> str:
 class ContextPlugin(WorkerPlugin):
     """Materialise one :class:`~dask_pcm.Context` on every worker, present or joining.
 
-    Do not register it yourself: :func:`dask_pcm.register` installs the scheduler plugin
-    first, builds one of these per context and registers it with
-    ``Client.register_plugin``, then waits for the present workers.
+    Do not register it yourself: :func:`dask_pcm.register` builds one of these per context
+    and has the scheduler declare the context and register it
+    (:mod:`dask_pcm.scheduler.registration`), then waits for the present workers.
 
     At level ``full`` the context is built once and kept until the plugin is removed
     (``dask_pcm.unregister``), the worker closes, or it is evicted under the memory budget
@@ -83,13 +83,22 @@ class ContextPlugin(WorkerPlugin):
 
     idempotent = False
 
-    def __init__(self, context: Context, level: str, manifest: str | None = None) -> None:
+    def __init__(
+        self,
+        context: Context,
+        level: str,
+        manifest: str | None = None,
+        registration: str | None = None,
+    ) -> None:
         # Pickled and shipped to every worker: keep only the small declaration here.
         self.context = context
         self.level = config.check_level(level)
         self.name = plugin_name(context.name)
         # The template's chunk manifest (JSON) when it can travel peer to peer.
         self.manifest = manifest
+        # Tags this plugin's reports, so the scheduler tells them from those of the plugin
+        # it replaced (dask_pcm.scheduler.registration).
+        self.registration = registration
 
     # -- lifecycle -------------------------------------------------------------------------
     def setup(self, worker: Worker) -> None:
@@ -111,7 +120,7 @@ class ContextPlugin(WorkerPlugin):
             template=self.context.template,
             location=self.context.template,
         )
-        self.reporter = Reporter(worker, self.record, self._lock)
+        self.reporter = Reporter(worker, self.record, self._lock, self.registration)
         self.template = WorkerTemplate(
             worker,
             self.context.template,

@@ -4,7 +4,8 @@ Reports travel over the worker's batched stream, the same ordered channel that c
 "task finished" messages, so the scheduler never sees a task finish before the load that
 preceded it. Changes made in any thread are coalesced into one report sent from the event
 loop; a report made while the worker is not yet connected (a joining worker whose context
-loads fast) is resent once it is.
+loads fast) is resent once it is. Each report names the registration of the plugin that
+made it, when it has one (see :mod:`dask_pcm.scheduler.registration`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ _RESEND_SECONDS = 0.5
 
 
 class Reporter:
-    """Reports ``record`` (guarded by ``lock``) of a context on ``worker``."""
+    """Reports ``record`` (guarded by ``lock``) of a context on ``worker``, tagged with
+    ``registration``."""
 
-    def __init__(self, worker: Worker, record: ContextStatus, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        record: ContextStatus,
+        lock: threading.Lock,
+        registration: str | None = None,
+    ) -> None:
         self.worker = worker
         self.record = record
         self.lock = lock
+        self.registration = registration
         self._version = 0
         self._sent_version = -1
         self._scheduled = False
@@ -70,6 +79,9 @@ class Reporter:
             return
         with self.lock:
             report = self.record.report()
-        stream.send({"op": STATE_OP, "seq": time.monotonic_ns(), **report})
+        message = {"op": STATE_OP, "seq": time.monotonic_ns(), **report}
+        if self.registration is not None:
+            message["registration"] = self.registration
+        stream.send(message)
         with self.lock:
             self._sent_version = max(self._sent_version, version)
