@@ -1,0 +1,80 @@
+"""Fixtures of the tests on emulated hosts (:mod:`dask_pcm.testing.hosts`): network namespaces
+with capped links on a private bridge, a scheduler in this process listening on the bridge.
+
+They need root, ``ip``, ``tc`` and ``ebtables`` (``sudo bash ci/hosts/setup.sh``); without them
+the tests skip with the reason, unless ``PCM_REQUIRE_HOSTS=1`` (as in CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client
+
+from dask_pcm.testing import hosts
+from tests.conftest import wait_for
+
+
+def require_hosts() -> None:
+    reason = hosts.unavailable()
+    if reason:
+        message = f"no emulated hosts here: {reason}"
+        if os.environ.get("PCM_REQUIRE_HOSTS"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def network(tmp_path: Path) -> Iterator[hosts.Network]:
+    """An emulated network with no hosts yet (``network.add_host(link=...)``), removed with
+    everything in it at the end of the test."""
+    require_hosts()
+    with hosts.Network(directory=tmp_path / "hosts") as net:
+        yield net
+
+
+@contextlib.contextmanager
+def cluster_on(
+    network: hosts.Network, settings: Mapping[str, Any] | None = None
+) -> Iterator[tuple[Any, Client]]:
+    """A dask_pcm cluster with no workers whose scheduler (in this process) listens on the
+    network's bridge, and its client; ``settings`` apply to this process (the scheduler and
+    client) and to every process the network's hosts start from now on."""
+    import dask_pcm
+
+    settings = dict(settings or {})
+    network.settings.update(settings)
+    with (
+        dask.config.set(settings),
+        dask_pcm.local_cluster(n_workers=0, host=network.address, dashboard_address=":0") as cl,
+        Client(cl) as client,
+    ):
+        yield cl, client
+
+
+def start_workers(
+    client: Client, scheduler: str, on: list[hosts.Host], seconds: float = 90
+) -> dict[str, str]:
+    """A worker in each host of ``on``; ``{host name: worker address}`` once all are in."""
+    for host in on:
+        host.start_worker(scheduler)
+    names = {host.name for host in on}
+
+    def joined() -> dict[str, str] | None:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        found = {w["name"]: address for address, w in info.items() if w["name"] in names}
+        return found if len(found) == len(names) else None
+
+    try:
+        return wait_for(joined, seconds, f"workers on {sorted(names)}")
+    except AssertionError:
+        logs = "\n".join(f"--- {h.name}:\n{h.log()[-2000:]}" for h in on)
+        raise AssertionError(
+            f"workers did not join in {seconds:g} s; their logs:\n{logs}"
+        ) from None
