@@ -25,8 +25,9 @@ paper's 3.59 and 1.83 marked), to show where on that curve the paper's cluster s
 one point that depends on one assumed bandwidth. Four settings a factor of 4 to 5 apart
 keep a full run (3 rounds of 15 runs) under an hour on 2 cores; add settings for a finer
 curve. Process-per-task runs at ``--per-task-bandwidth`` (default ``none,200``). With a limit, reads of the template
-from its source share one simulated link (:class:`dask_pcm.testing.throttle.SharedBandwidth`, set
-through ``pcm.template.source-bandwidth``), as the jobs of a cluster share a filesystem server.
+from its source share one simulated link
+(:class:`dask_pcm.templates.throttle.SharedBandwidth`, set through
+``pcm.template.source-bandwidth``), as the jobs of a cluster share a filesystem server.
 Why 200 MB/s was the old single setting: an assumption, not a measurement, for one node's share of a busy shared
 filesystem (an NFS client on 10 GbE is capped at about 1.2 GB/s by the wire and gets less once
 other nodes read from the same server); both workers of this host share it. The 542 MB
@@ -122,7 +123,7 @@ import dask
 import dask_pcm
 from dask_pcm import config
 from dask_pcm.templates.sources import resolve_source, template_files
-from dask_pcm.testing.throttle import SharedBandwidth
+from dask_pcm.templates.throttle import SharedBandwidth
 
 LEVELS = ("agnostic", "partial", "full")
 PER_TASK = "process-per-task"
@@ -156,7 +157,7 @@ import torch, transformers
 import _harness as h
 from dask_pcm.loaders.llm import CausalLM
 from dask_pcm.loaders.model import build_for_one_task
-from dask_pcm.testing.throttle import SharedBandwidth
+from dask_pcm.templates.throttle import SharedBandwidth
 torch.set_num_threads(1)
 imported = time.perf_counter()
 if args["bytes_per_second"]:

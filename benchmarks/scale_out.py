@@ -3,8 +3,8 @@
 Two modes side by side, each N in one run: ``source`` (every worker copies the model's
 template from the source) and ``p2p`` (workers copy it from peers that hold it and read the
 source only for what no peer has). The source is a simulated shared filesystem
-(:class:`dask_pcm.testing.throttle.SharedBandwidth`): one link for the whole host, set so that one
-worker alone reads the model in about ``--load-seconds`` (5 s by default), shared by all
+(:class:`dask_pcm.templates.throttle.SharedBandwidth`): one link for the whole host, set so
+that one worker alone reads the model in about ``--load-seconds`` (5 s by default), shared by all
 concurrent readers like one NFS server under load. Loads may run concurrently (one host
 stands for N hosts), so the link and the peers, not a host lock, decide.
 
@@ -48,7 +48,7 @@ from distributed import Client
 import dask_pcm
 from dask_pcm.scheduler import ContextScheduler
 from dask_pcm.templates.manifest import build_manifest
-from dask_pcm.testing.throttle import SharedBandwidth
+from dask_pcm.templates.throttle import SharedBandwidth
 
 COLUMNS = [
     ("n", "N", "d"),

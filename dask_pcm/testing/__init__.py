@@ -1,17 +1,18 @@
 """Helpers for testing dask_pcm and code built on it: small offline models (a Llama, a
-sentence encoder whose template has subfolders, with its loader), a simulated
-shared filesystem, a chunk planner without a scheduler.
+sentence encoder whose template has subfolders, with its loader), a chunk planner without a
+scheduler, and, re-exported from :mod:`dask_pcm.templates`, the source rate limit that models
+a shared filesystem (:class:`SharedBandwidth`, :class:`ThrottledReader`).
 
-Nothing in the library's normal path imports this package; ``pcm.template.source-bandwidth``
-(a benchmark and test setting) is what brings :class:`ThrottledReader` in.
+No production module imports this package (``tests/test_structure.py`` checks it).
 """
 
 from __future__ import annotations
 
+from dask_pcm.templates.reader import ThrottledReader
+from dask_pcm.templates.throttle import SharedBandwidth
 from dask_pcm.testing.encoders import MeanPoolingEncoder, build_tiny_encoder
 from dask_pcm.testing.models import build_tiny_llama, write_llama_gguf
 from dask_pcm.testing.planners import StaticPeers
-from dask_pcm.testing.throttle import SharedBandwidth, ThrottledReader
 
 __all__ = [
     "MeanPoolingEncoder",

@@ -64,7 +64,7 @@ def test_agnostic_loads_once_per_task(cluster, tiny_model_dir):
 
 
 def test_agnostic_reads_the_source_through_the_simulated_shared_fs(cluster, tiny_model_dir):
-    from dask_pcm.testing.throttle import SharedBandwidth
+    from dask_pcm.templates.throttle import SharedBandwidth
 
     _, client = cluster
     nbytes = sum(f.stat().st_size for f in template_files(resolve_source(tiny_model_dir)))

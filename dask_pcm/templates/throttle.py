@@ -1,12 +1,18 @@
-"""A simulated shared filesystem: one bandwidth shared by every reader on the host.
+"""A rate limit on reading template sources: one bandwidth shared by every reader on a host.
 
-On a cluster, the template's source is a shared filesystem (NFS, Panasas, Lustre) or a model
-hub; when a hundred workers start at once they split its bandwidth, and that, not compute,
-decides how soon the cluster is useful. :class:`SharedBandwidth` models that server for tests
-and benchmarks on one machine: every read first books a time slot on a single link of
-``bytes_per_second``, shared by all threads and processes of the host through a small state
-file under an ``flock``. Slots are handed out first come, first served, so ``n`` concurrent
-readers each see about ``1/n`` of the bandwidth and together never exceed it.
+On a cluster, a template's source is usually a shared filesystem (NFS, Panasas, Lustre);
+when a hundred workers start at once they split its bandwidth, and a storm of reads can slow
+the filesystem down for every other user of it. ``pcm.template.source-bandwidth`` caps what
+the workers of one host read from template sources together (copies of chunks nobody else
+holds, and every build at level ``agnostic``): each read first books a time
+slot on a single link of that many bytes per second, shared by all threads and processes of
+the host through a small state file under an ``flock`` in ``pcm.lock-directory``. Slots are
+handed out first come, first served, so ``n`` concurrent readers each see about ``1/n`` of
+the bandwidth and together never exceed it. Peer-to-peer transfers are not limited: they do
+not touch the source.
+
+The same link, set to a shared filesystem's speed, is how tests and benchmarks on one
+machine model such a filesystem.
 
 Example
 -------
@@ -16,7 +22,6 @@ Example
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import os
@@ -24,7 +29,6 @@ import struct
 import time
 
 from dask_pcm.locks import lock_dir
-from dask_pcm.templates.manifest import Manifest, read_chunk
 
 _STATE = struct.Struct("d")  # the time (epoch seconds) at which the link is next free
 
@@ -78,31 +82,3 @@ class SharedBandwidth:
         """Forget the bookings (start of a benchmark round)."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._path)
-
-
-class ThrottledReader:
-    """A :class:`~dask_pcm.templates.reader.SourceReader` behind a :class:`SharedBandwidth`:
-    every chunk read, and every build's read at level ``agnostic``, waits for its share of
-    the host's link. What ``pcm.template.source-bandwidth`` puts in place of the plain reader.
-    """
-
-    def __init__(self, link: SharedBandwidth, chunk_size: int) -> None:
-        self.link = link
-        self.chunk_size = chunk_size
-
-    def read(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
-        self.link.consume(manifest.chunk(index).length)
-        return read_chunk(root, manifest, index)
-
-    async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
-        """:meth:`read` from the event loop: the wait for the link is a sleep on the loop."""
-        wait = self.link.book(manifest.chunk(index).length) - time.time()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        return await asyncio.to_thread(read_chunk, root, manifest, index)
-
-    def account(self, nbytes: int) -> float:
-        waited = 0.0
-        for start in range(0, nbytes, self.chunk_size):
-            waited += self.link.consume(min(self.chunk_size, nbytes - start))
-        return waited

@@ -1,4 +1,5 @@
-"""The simulated shared filesystem: concurrent readers split one bandwidth."""
+"""The source rate limit (``pcm.template.source-bandwidth``): concurrent readers of a host
+split one bandwidth."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dask_pcm.testing.throttle import SharedBandwidth
+from dask_pcm.templates.throttle import SharedBandwidth
 
 MB = 1_000_000
 
