@@ -16,10 +16,11 @@ Examples
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
-from dask_pcm.batch import BatchResult, run_batch
 from dask_pcm.client import (
     map,
     register,
@@ -30,9 +31,6 @@ from dask_pcm.client import (
     unregister,
 )
 from dask_pcm.context import Context, causal_lm
-from dask_pcm.deploy.local import Nanny, local_cluster
-from dask_pcm.deploy.start import batch_cluster
-from dask_pcm.diagnosis import WorkerReport, doctor
 from dask_pcm.exceptions import (
     BatchInputError,
     BatchJobError,
@@ -50,11 +48,48 @@ from dask_pcm.exceptions import (
     TemplateFetchError,
     UnitError,
 )
-from dask_pcm.fever.run import FeverResult, run_fever
 from dask_pcm.loaders.llm import CausalLM, LanguageModel
 from dask_pcm.tasks import ContextTask, get_context, uses_context
-from dask_pcm.templates.embedded import embedded_model_dir
-from dask_pcm.testing.models import build_tiny_llama
+
+# Imported on first use (PEP 562): every worker and scheduler imports dask_pcm, and none of
+# them needs the batch layer, the FEVER application, the cluster starters (dask-jobqueue),
+# the doctor or the test models until a client calls them.
+_LAZY = {
+    "BatchResult": "dask_pcm.batch",
+    "run_batch": "dask_pcm.batch",
+    "FeverResult": "dask_pcm.fever.run",
+    "run_fever": "dask_pcm.fever.run",
+    "Nanny": "dask_pcm.deploy.local",
+    "local_cluster": "dask_pcm.deploy.local",
+    "batch_cluster": "dask_pcm.deploy.start",
+    "WorkerReport": "dask_pcm.diagnosis",
+    "doctor": "dask_pcm.diagnosis",
+    "embedded_model_dir": "dask_pcm.templates.embedded",
+    "build_tiny_llama": "dask_pcm.testing.models",
+}
+
+if TYPE_CHECKING:
+    from dask_pcm.batch import BatchResult, run_batch
+    from dask_pcm.deploy.local import Nanny, local_cluster
+    from dask_pcm.deploy.start import batch_cluster
+    from dask_pcm.diagnosis import WorkerReport, doctor
+    from dask_pcm.fever.run import FeverResult, run_fever
+    from dask_pcm.templates.embedded import embedded_model_dir
+    from dask_pcm.testing.models import build_tiny_llama
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dask_pcm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups find it without coming here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 try:
     __version__ = version("dask-pcm")
