@@ -78,3 +78,50 @@ def start_workers(
         raise AssertionError(
             f"workers did not join in {seconds:g} s; their logs:\n{logs}"
         ) from None
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama of 12 MB (hidden size 256, 4 layers): a template whose copy over an
+    emulated link of a few Mbit/s takes seconds, not milliseconds."""
+    from dask_pcm.testing import build_tiny_llama
+
+    path = tmp_path_factory.mktemp("models") / "small-llama"
+    return build_tiny_llama(path, hidden_size=256, num_layers=4, num_heads=4)
+
+
+def status_of(client: Client, context: str) -> Any:
+    """:func:`dask_pcm.status` of ``context``, indexed by worker address."""
+    import dask_pcm
+
+    return dask_pcm.status(client, [context]).set_index("worker")
+
+
+def wait_ready(client: Client, context: str, workers: list[str], seconds: float) -> Any:
+    """The status rows of ``workers`` once ``context`` is ready on each; a failure on one of
+    them fails at once, naming its error."""
+
+    def ready() -> bool:
+        table = status_of(client, context)
+        rows = table[table.index.isin(workers)]
+        failed = rows[rows["state"] == "failed"]
+        assert failed.empty, failed["error"].to_dict()
+        return len(rows) == len(workers) and bool(rows["state"].eq("ready").all())
+
+    wait_for(ready, seconds, f"{context} ready on {workers}")
+    return status_of(client, context).loc[workers]
+
+
+def chunks_held(client: Client, digest: str) -> dict[str, int]:
+    """Chunks of template ``digest`` each worker holds, by the scheduler's chunk directory
+    (a worker holding a whole copy is counted apart from the directory's partial holders)."""
+
+    def count(dask_scheduler: Any = None) -> dict[str, int]:
+        directory = dask_scheduler.plugins["dask-pcm"].directory
+        held: dict[str, int] = {}
+        for workers in directory.holders.get(digest, {}).values():
+            for worker in workers:
+                held[worker] = held.get(worker, 0) + 1
+        return held
+
+    return client.run_on_scheduler(count)
