@@ -65,7 +65,8 @@ _LAZY = {
     "WorkerReport": "dask_pcm.diagnosis",
     "doctor": "dask_pcm.diagnosis",
     "embedded_model_dir": "dask_pcm.templates.embedded",
-    "build_tiny_llama": "dask_pcm.testing.models",
+    "build_tiny_llama": "dask_pcm.testing.models",  # not under TYPE_CHECKING below: the
+    # library never imports its test helpers, not even for type checking
 }
 
 if TYPE_CHECKING:
@@ -75,7 +76,6 @@ if TYPE_CHECKING:
     from dask_pcm.diagnosis import WorkerReport, doctor
     from dask_pcm.fever.run import FeverResult, run_fever
     from dask_pcm.templates.embedded import embedded_model_dir
-    from dask_pcm.testing.models import build_tiny_llama
 
 
 def __getattr__(name: str) -> Any:

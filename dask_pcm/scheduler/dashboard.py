@@ -16,14 +16,23 @@ import json
 import time
 from functools import cache
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tornado import web
 
 from dask_pcm.protocol import COLUMNS
 
-if TYPE_CHECKING:
-    from dask_pcm.scheduler.plugin import ContextScheduler
+
+class StatusSource(Protocol):
+    """What the pages read: :class:`~dask_pcm.scheduler.ContextScheduler` is one (named by
+    this protocol, not imported: the plugin imports this module)."""
+
+    scheduler: Any
+
+    def summary(self) -> dict[str, dict[str, Any]]: ...
+
+    def rows(self, contexts: Any = None) -> list[dict[str, Any]]: ...
+
 
 #: The status columns the page's table shows: (column, heading, how to format it, what it
 #: counts: the heading's tooltip).
@@ -52,7 +61,7 @@ _unknown = [c for c, *_ in PAGE_COLUMNS if c not in COLUMNS]
 assert not _unknown, f"page columns not in the status record: {_unknown}"
 
 
-def status_document(plugin: ContextScheduler) -> dict[str, Any]:
+def status_document(plugin: StatusSource) -> dict[str, Any]:
     """The JSON document of ``/pcm/status.json``."""
     return {
         "time": time.time(),
@@ -69,7 +78,7 @@ def _page() -> str:
 
 
 class _Handler(web.RequestHandler):
-    def initialize(self, plugin: ContextScheduler) -> None:
+    def initialize(self, plugin: StatusSource) -> None:
         self.plugin = plugin
 
 
@@ -86,7 +95,7 @@ class StatusPage(_Handler):
         self.write(_page())
 
 
-def install(plugin: ContextScheduler) -> web.Application | None:
+def install(plugin: StatusSource) -> web.Application | None:
     """Add the routes to the scheduler's HTTP server; the application to remove later."""
     http = getattr(plugin.scheduler, "http_application", None)
     if http is None:
@@ -101,7 +110,7 @@ def install(plugin: ContextScheduler) -> web.Application | None:
     return app
 
 
-def uninstall(plugin: ContextScheduler, app: web.Application | None) -> None:
+def uninstall(plugin: StatusSource, app: web.Application | None) -> None:
     """Undo :func:`install`."""
     http = getattr(plugin.scheduler, "http_application", None)
     if app is not None and http is not None and app in http.applications:
