@@ -40,6 +40,12 @@ class ContextTimeoutError(PCMError, TimeoutError):
     """A context did not become ready on a worker within the configured time."""
 
 
+class TransitionError(PCMError, RuntimeError):
+    """A context was asked to change state in a way its state machine does not allow (a bug
+    in dask_pcm, or a report from a worker plugin that was replaced). The message names the
+    context, the worker and the transition."""
+
+
 class FeverFormatError(PCMError, ValueError):
     """Malformed FEVER input: claims or templates that cannot be read.
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
-# States of a context on one worker:
-#   absent -> fetching -> loading -> ready;  any -> failed;  ready -> evicted -> loading
+# States of a context on one worker (WORKER_TRANSITIONS says which change to which):
+#   fetching -> loading -> ready -> evicted -> loading;  fetching, loading -> failed;
+#   any -> closed.  The scheduler's record starts at absent (no report yet).
 ABSENT = "absent"  # connected, no report yet (the scheduler's own state)
 FETCHING = "fetching"  # copying the template to the worker's disk
 LOADING = "loading"  # building the context
@@ -25,6 +26,20 @@ FAILED = "failed"
 EVICTED = "evicted"  # freed under the memory budget; rebuilt on demand
 CLOSED = "closed"  # unregistered, or the worker is closing
 STATES = (ABSENT, FETCHING, LOADING, READY, FAILED, EVICTED, CLOSED)
+
+#: The states a worker plugin starts in: ``fetching`` when it copies the template first.
+WORKER_START = (FETCHING, LOADING)
+#: What one worker plugin's context may change to from each state, at any level
+#: (:mod:`dask_pcm.worker.levels` narrows it per level; the scheduler's table,
+#: :data:`dask_pcm.scheduler.state.TRANSITIONS`, is derived from it). ``closed`` is final.
+WORKER_TRANSITIONS: dict[str, frozenset[str]] = {
+    FETCHING: frozenset({LOADING, READY, FAILED, CLOSED}),
+    LOADING: frozenset({READY, FAILED, CLOSED}),
+    READY: frozenset({EVICTED, CLOSED}),
+    EVICTED: frozenset({LOADING, CLOSED}),
+    FAILED: frozenset({CLOSED}),
+    CLOSED: frozenset(),
+}
 
 #: How the pages and Jupyter colour each state (``/pcm/status`` has the same in its CSS).
 STATE_COLOURS = {

@@ -48,14 +48,15 @@ class MemoryBudget:
         if limit is None:
             return
         with self._lock:
-            used = sum(h.record.nbytes for h in resident if h.record.state == READY) + incoming
+            used = sum(h.lifecycle.get("nbytes") for h in resident if h.lifecycle.state == READY)
+            used += incoming
             if used <= limit:
                 return
             idle = sorted(
                 (
                     h
                     for h in resident
-                    if h is not holder and h.record.state == READY and not h.active
+                    if h is not holder and h.lifecycle.state == READY and not h.active
                 ),
                 key=lambda h: h.last_used,
             )
@@ -67,7 +68,7 @@ class MemoryBudget:
             logger.warning(
                 "Contexts on %s use %d bytes, over pcm.worker.context-memory-limit (%d): "
                 "the others are in use",
-                holder.record.worker,
+                holder.lifecycle.get("worker"),
                 used,
                 limit,
             )

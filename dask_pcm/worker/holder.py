@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dask_pcm.protocol import EVICTED, READY, ContextStatus
+from dask_pcm.protocol import EVICTED, READY
 from dask_pcm.worker.device import describe_device, size_of
-from dask_pcm.worker.report import Reporter
+from dask_pcm.worker.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
     from dask_pcm.context import Context
@@ -30,22 +30,32 @@ def _text(value: Any) -> str | None:
     return None if value is None else str(value)
 
 
+def _use(value: Any) -> dict[str, Any]:
+    """What a context's use changes in its record: its batch size (smaller after an
+    out-of-memory error) and the size of its kept prefix states."""
+    batch_size = getattr(value, "batch_size", None)
+    prefixes = getattr(value, "prefix_cache_bytes", 0)
+    return {
+        "batch_size": batch_size if isinstance(batch_size, int) else None,
+        "prefix_cache_bytes": prefixes if isinstance(prefixes, int) else 0,
+    }
+
+
 class Holder:
-    """Builds ``context`` and holds what it built; state lives in ``record`` under ``lock``."""
+    """Builds ``context`` and holds what it built; its counts go to ``lifecycle``'s record.
+
+    Its own lock guards what it holds (the resident object, the tasks using it); the
+    record has the lifecycle's. Where both are needed (lending, evicting) this lock is taken
+    first.
+    """
 
     def __init__(
-        self,
-        context: Context,
-        record: ContextStatus,
-        lock: threading.Lock,
-        reporter: Reporter,
-        on_evict: Callable[[], None],
+        self, context: Context, lifecycle: Lifecycle, on_evict: Callable[[], None]
     ) -> None:
         self.context = context
-        self.record = record
-        self.lock = lock
-        self.reporter = reporter
+        self.lifecycle = lifecycle
         self.on_evict = on_evict
+        self.lock = threading.Lock()
         self.value: Any = None  # the resident context (level full)
         self.active = 0  # tasks holding the context now
         self.last_used = time.monotonic()
@@ -55,42 +65,31 @@ class Holder:
     def build(self) -> Any:
         """Build the context from its template's location (a loader call; ``None`` for a
         context without files); counted."""
+        life = self.lifecycle
         start = time.perf_counter()
-        value = self.context.loader(self.record.location)
+        value = self.context.loader(life.get("location"))
         elapsed = time.perf_counter() - start
-        with self.lock:
-            self.record.loads += 1
-            self.record.load_seconds += elapsed
-            self.record.last_load_seconds = elapsed
-            if self.record.device is None:
-                self.record.device = describe_device(value)
-            self.record.dtype = _text(getattr(value, "dtype", None))
-            self.record.warning = _text(getattr(value, "warning", None))
-            self._note_use(value)
-        self.reporter.changed()
+        life.add(loads=1, load_seconds=elapsed)
+        life.update(
+            last_load_seconds=elapsed,
+            device=life.get("device") or describe_device(value),
+            dtype=_text(getattr(value, "dtype", None)),
+            warning=_text(getattr(value, "warning", None)),
+            **_use(value),
+        )
         return value
-
-    def _note_use(self, value: Any) -> bool:
-        """Record what a context's use changes (under lock): its batch size (smaller after an
-        out-of-memory error) and its prefix states' size; whether either changed."""
-        batch_size = getattr(value, "batch_size", None)
-        batch_size = batch_size if isinstance(batch_size, int) else None
-        prefixes = getattr(value, "prefix_cache_bytes", 0)
-        prefixes = prefixes if isinstance(prefixes, int) else 0
-        changed = (batch_size, prefixes) != (self.record.batch_size, self.record.prefix_cache_bytes)
-        self.record.batch_size, self.record.prefix_cache_bytes = batch_size, prefixes
-        return changed
 
     def expected_bytes(self) -> int:
         """What a build will hold: its size last time, else the loader's estimate
         (``loader.estimate_bytes(location)``, where the loader has one), else 0."""
-        if self.record.nbytes:
-            return self.record.nbytes
+        nbytes = self.lifecycle.get("nbytes")
+        if nbytes:
+            return int(nbytes)
         estimate = getattr(self.context.loader, "estimate_bytes", None)
         if estimate is None:
             return 0
         try:
-            return max(0, int(estimate(self.record.location)))
+            return max(0, int(estimate(self.lifecycle.get("location"))))
         except Exception as exc:  # an estimate is advice: the build reports real problems
             logger.debug("No size estimate for context %r: %r", self.context.name, exc)
             return 0
@@ -101,15 +100,17 @@ class Holder:
         with self.lock:
             if not self.closed:
                 self.value, value = value, None
-                self.record.nbytes = nbytes
                 self.last_used = time.monotonic()
-        if value is not None:
+        if value is None:
+            self.lifecycle.update(nbytes=nbytes)
+        else:
             self.release(value, collect=True)
 
     def close(self) -> Any:
-        """No more keeping: the resident object, for the caller to release (under lock)."""
-        self.closed = True
-        value, self.value = self.value, None
+        """No more keeping: the resident object, for the caller to release."""
+        with self.lock:
+            self.closed = True
+            value, self.value = self.value, None
         return value
 
     def release(self, value: Any, collect: bool = False) -> None:
@@ -131,19 +132,18 @@ class Holder:
     def evict(self) -> int:
         """Drop the resident object if no task holds it; the bytes freed."""
         with self.lock:
-            if self.record.state != READY or self.active or self.value is None:
+            if self.active or self.value is None:
+                return 0
+            if not self.lifecycle.move(EVICTED, only_from=(READY,)):
                 return 0
             value, self.value = self.value, None
-            self.record.state = EVICTED
-            self.record.evictions += 1
-            freed = self.record.nbytes
+        freed = int(self.lifecycle.get("nbytes"))
         self.on_evict()
-        self.reporter.changed()
         self.release(value, collect=True)
         logger.info(
             "Evicted context %r on %s (%d bytes, least recently used)",
             self.context.name,
-            self.record.worker,
+            self.lifecycle.get("worker"),
             freed,
         )
         return freed
@@ -151,7 +151,7 @@ class Holder:
     def lend(self) -> tuple[bool, Any]:
         """``(True, resident object)`` for a task if the context is ready, else ``(False, None)``."""
         with self.lock:
-            if self.record.state != READY:
+            if self.closed or self.lifecycle.state != READY:
                 return False, None
             self.active += 1
             self.last_used = time.monotonic()
@@ -163,13 +163,12 @@ class Holder:
         with self.lock:
             self.active -= 1
             self.last_used = time.monotonic()
-            # A context that halved its batches after running out of memory says so.
-            changed = value is not None and self._note_use(value)
             pending = None
             if not self.active and self.pending is not None:
                 pending, self.pending = self.pending, None
-        if changed:
-            self.reporter.changed()
+        if value is not None:
+            # A context that halved its batches after running out of memory says so.
+            self.lifecycle.update(**_use(value))
         if owned:
             self.release(value)
         if pending is not None:

@@ -1,4 +1,4 @@
-"""The three context levels as strategies: what a worker prepares, and what a task gets.
+"""The three context levels as a table of flags: what a worker prepares, what a task gets.
 
 | level | prepared once per worker | each task gets |
 |---|---|---|
@@ -6,9 +6,11 @@
 | ``partial`` | the template copied to local disk | a context built from that copy |
 | ``agnostic`` | nothing | a context built from the source (one source read) |
 
-:meth:`Level.fetch` runs outside the host's load slot (a copy waits on the network);
-:meth:`Level.prepare` inside it (it reads disks and fills memory); :meth:`Level.take` in
-the task's thread.
+A :class:`Level` only says what its level does; the worker plugin
+(:mod:`dask_pcm.worker.plugin`) reads the flags and does it, and :meth:`Level.transitions`
+narrows the worker's state machine (:data:`dask_pcm.protocol.WORKER_TRANSITIONS`) to the
+level: only a resident context passes through ``loading`` after its copy, and only a
+resident context can be ``evicted``.
 
 A context without files (``template=None``) copies nothing at any level: ``partial`` and
 ``agnostic`` then both build the context for each task from nothing but the loader.
@@ -16,69 +18,77 @@ A context without files (``template=None``) copies nothing at any level: ``parti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
-from dask_pcm.loaders.model import build_for_one_task
-
-if TYPE_CHECKING:
-    from dask_pcm.worker.plugin import ContextPlugin
+from dask_pcm.protocol import EVICTED, FETCHING, LOADING, READY, WORKER_TRANSITIONS
 
 
+@dataclass(frozen=True)
 class Level:
-    """What one level does; see the module docstring."""
+    """What one level does (see the module docstring).
 
-    name = ""
-    resident = False  # whether a built context is kept between tasks
+    Attributes
+    ----------
+    name
+        ``full``, ``partial`` or ``agnostic``.
+    resident
+        The context is built once per worker and kept between tasks (and may be evicted
+        under ``pcm.worker.context-memory-limit``); else each task builds its own.
+    copies
+        The template is copied to worker-local disk (from peers, else the source) when the
+        client hashed it into a manifest (a local path, the embedded model).
+    copies_unhashed
+        ... and also when it could not (a hub id): the worker lists and copies it from the
+        source, since every task builds from it again.
+    reads_source_per_task
+        Every task's build reads the template from its source (counted against
+        ``pcm.template.source-bandwidth``).
+    """
 
-    def fetch(self, plugin: ContextPlugin) -> None:
-        """Copy the template to local disk where this level keeps it (peers, else source)."""
-        if plugin.manifest is not None:
-            plugin.template.copy()
+    name: str
+    resident: bool
+    copies: bool
+    copies_unhashed: bool
+    reads_source_per_task: bool
 
-    def prepare(self, plugin: ContextPlugin) -> None:
-        """Work under the host's load slot once the template is local."""
+    def copies_template(self, has_manifest: bool, has_files: bool) -> bool:
+        """Whether a worker copies this context's template before preparing it."""
+        return self.copies and (has_manifest or (self.copies_unhashed and has_files))
 
-    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
-        """The object for one task, and whether the task owns it (releases it after)."""
-        with build_for_one_task():
-            return plugin.holder.build(), True
-
-
-class Full(Level):
-    name = "full"
-    resident = True
-
-    def prepare(self, plugin: ContextPlugin) -> None:
-        # Room first, for what the context took last time or, at its first load, what the
-        # loader expects (CausalLM: the weights on disk); once built, again for its real size.
-        plugin.make_room(plugin.holder.expected_bytes())
-        plugin.holder.keep(plugin.holder.build())
-
-    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
-        return resident, False
-
-
-class Partial(Level):
-    name = "partial"
-
-    def fetch(self, plugin: ContextPlugin) -> None:
-        if plugin.template.has_files:
-            plugin.template.copy()  # with no manifest from the client (a hub id), from the source
-
-
-class Agnostic(Level):
-    name = "agnostic"
-
-    def fetch(self, plugin: ContextPlugin) -> None:
-        pass  # nothing is kept: every build reads the source
-
-    def prepare(self, plugin: ContextPlugin) -> None:
-        plugin.template.measure_source()
-
-    def take(self, plugin: ContextPlugin, resident: Any) -> tuple[Any, bool]:
-        plugin.template.read_source()
-        with build_for_one_task():
-            return plugin.holder.build(), True
+    def transitions(self) -> dict[str, frozenset[str]]:
+        """:data:`~dask_pcm.protocol.WORKER_TRANSITIONS` as they apply at this level."""
+        out = dict(WORKER_TRANSITIONS)
+        if self.resident:  # built under "loading", once the copy is done
+            out[FETCHING] = out[FETCHING] - {READY}
+        else:  # ready once prepared; never resident, so never evicted
+            out[FETCHING] = out[FETCHING] - {LOADING}
+            out[READY] = out[READY] - {EVICTED}
+            out[EVICTED] = frozenset()
+        return out
 
 
-LEVELS: dict[str, Level] = {level.name: level for level in (Full(), Partial(), Agnostic())}
+LEVELS: dict[str, Level] = {
+    level.name: level
+    for level in (
+        Level(
+            "full", resident=True, copies=True, copies_unhashed=False, reads_source_per_task=False
+        ),
+        Level(
+            "partial",
+            resident=False,
+            copies=True,
+            copies_unhashed=True,
+            reads_source_per_task=False,
+        ),
+        Level(
+            "agnostic",
+            resident=False,
+            copies=False,
+            copies_unhashed=False,
+            reads_source_per_task=True,
+        ),
+    )
+}
+"""The levels by name."""
+
+__all__ = ["LEVELS", "Level"]

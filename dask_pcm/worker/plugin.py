@@ -5,11 +5,13 @@ starts a background thread and returns, so a joining worker finishes registering
 scheduler (and keeps heartbeating) while a model loads for minutes; tasks that need the
 context wait for it instead (see :mod:`dask_pcm.tasks`). The work itself runs in that thread,
 never on the event loop: the template copy first (:mod:`dask_pcm.worker.template`; outside
-the host's load slot, since it waits on the network), then the level's preparation
-(:mod:`dask_pcm.worker.levels`) inside a host-wide slot, so that at most
-``pcm.worker.load-concurrency`` loads run at once per host.
+the host's load slot, since it waits on the network), then what the level prepares
+(:mod:`dask_pcm.worker.levels`: a table of flags this plugin reads) inside a host-wide slot,
+so that at most ``pcm.worker.load-concurrency`` loads run at once per host.
 
-Every change is reported to the scheduler plugin as the context's status record
+The context's state changes only through its :class:`~dask_pcm.worker.lifecycle.Lifecycle`,
+which refuses a transition its level does not allow and is the one writer of the status
+record. Every change is reported to the scheduler plugin as the context's status record
 (:class:`dask_pcm.protocol.ContextStatus`) over the worker's batched stream, the same ordered
 channel that carries "task finished" messages: the scheduler never sees a task finish before
 the load that preceded it. A report made while the worker is not yet connected (a joining
@@ -35,6 +37,7 @@ from dask_pcm.exceptions import (
     ContextTimeoutError,
     TemplateFetchError,
 )
+from dask_pcm.loaders.model import build_for_one_task
 from dask_pcm.locks import host_slot
 from dask_pcm.protocol import (
     CLOSED,
@@ -50,6 +53,7 @@ from dask_pcm.protocol import (
 from dask_pcm.worker.budget import MemoryBudget
 from dask_pcm.worker.holder import Holder
 from dask_pcm.worker.levels import LEVELS
+from dask_pcm.worker.lifecycle import Lifecycle
 from dask_pcm.worker.report import Reporter
 from dask_pcm.worker.template import WorkerTemplate
 
@@ -65,6 +69,17 @@ __all__ = ["PLUGIN_PREFIX", "ContextPlugin", "context_plugins", "plugin_name"]
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def explain(exc: BaseException, template: str | None, location: str | None) -> str:
+    """A failure as the user should read it: a build from the worker's own copy of the
+    template (``location``) also names the user's source, where a damaged file must be fixed."""
+    text = _describe(exc)
+    if isinstance(exc, (ChunkError, TemplateFetchError)) or not location:
+        return text  # the copy failed, not the build: its message says where and why
+    if template and location != template:
+        return f"{text} (building from {location!r}, this worker's copy of {template!r})"
+    return f"{text} (building from {location!r})"
 
 
 class ContextPlugin(WorkerPlugin):
@@ -104,44 +119,33 @@ class ContextPlugin(WorkerPlugin):
     def setup(self, worker: Worker) -> None:
         self._worker = worker
         self.worker_address = worker.address
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self._closed = False
-        self.strategy = LEVELS[self.level]
-        # Fetching while the template is copied (or staged), then loading the context.
-        copies = self.manifest is not None or (
-            self.level != "full" and self.context.template is not None
+        self._event = threading.Event()  # set when a load attempt ends
+        level = LEVELS[self.level]
+        self._copies = level.copies_template(
+            has_manifest=self.manifest is not None, has_files=self.context.template is not None
         )
-        self.record = ContextStatus(
-            worker=worker.address,
-            context=self.context.name,
-            state=FETCHING if copies else LOADING,
-            level=self.level,
+        # Fetching while the template is copied, then loading the context.
+        self.lifecycle = Lifecycle(
+            worker.address,
+            self.context.name,
+            level,
+            FETCHING if self._copies else LOADING,
             template=self.context.template,
             location=self.context.template,
         )
-        self.reporter = Reporter(worker, self.record, self._lock, self.registration)
+        self.reporter = Reporter(worker, self.lifecycle.report, self.registration)
+        self.lifecycle.changed = self.reporter.changed
         self.template = WorkerTemplate(
-            worker,
-            self.context.template,
-            self.manifest,
-            self.record,
-            self._lock,
-            self.reporter.changed,
-            self.context.loader,
+            worker, self.context.template, self.manifest, self.lifecycle, self.context.loader
         )
-        self.holder = Holder(
-            self.context, self.record, self._lock, self.reporter, self._event.clear
-        )
+        self.holder = Holder(self.context, self.lifecycle, self._event.clear)
         self.budget = MemoryBudget.of(worker)
         self.reporter.changed()
         self._start_load()
 
     async def teardown(self, worker: Worker) -> None:
-        with self._lock:
-            self._closed = True
-            value = self.holder.close()
-            self.record.state = CLOSED
+        value = self.holder.close()  # lends and keeps nothing more
+        self.lifecycle.move(CLOSED)
         self._event.set()
         self.reporter.flush()
         if value is None:
@@ -175,21 +179,16 @@ class ContextPlugin(WorkerPlugin):
     # -- the record, as others read it --------------------------------------------------------
     @property
     def state(self) -> str:
-        return self.record.state
+        return self.lifecycle.state
 
     @property
     def error(self) -> str | None:
-        return self.record.error
+        return self.lifecycle.get("error")
 
-    # -- changes ---------------------------------------------------------------------------
-    def _set_state(self, state: str, error: str | None = None) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self.record.state = state
-            if error is not None:
-                self.record.error = error
-        self.reporter.changed()
+    @property
+    def record(self) -> ContextStatus:
+        """A copy of the context's status record on this worker, as it is now."""
+        return self.lifecycle.record()
 
     # -- building --------------------------------------------------------------------------
     def _start_load(self) -> None:
@@ -202,61 +201,60 @@ class ContextPlugin(WorkerPlugin):
         thread.start()
 
     def _materialise(self) -> None:
-        concurrency = int(config.get("worker.load-concurrency"))
         try:
-            self.strategy.fetch(self)
-            self.reporter.changed()
-            if self.strategy.resident:
-                self._set_state(LOADING)
-            with host_slot("context-load", concurrency):
-                if self._closed:
-                    return
-                self.strategy.prepare(self)
-            with self._lock:
-                if self._closed:
-                    return
-                self.record.state = READY
-                self.record.error = None
-            self.reporter.changed()
-            logger.info(
-                "Context %r ready on %s (level %s)",
-                self.context.name,
-                self.worker_address,
-                self.level,
-            )
-            if self.strategy.resident:
-                self.make_room(0)
+            ready = self._prepare()
+        finally:
+            self._event.set()
+        if ready and self.lifecycle.level.resident:
+            self.make_room(0)  # for its real size, now known
+
+    def _prepare(self) -> bool:
+        """Copy, build or measure what the level keeps; whether the context became ready."""
+        level = self.lifecycle.level
+        try:
+            if self._copies:
+                self.template.copy()
+            if level.resident:  # rebuilt after an eviction: loading already
+                self.lifecycle.move(LOADING, only_from=(FETCHING,))
+            with host_slot("context-load", int(config.get("worker.load-concurrency"))):
+                if self.lifecycle.closed:
+                    return False
+                if level.resident:
+                    # Room first, for what the context took last time or, at its first load,
+                    # what the loader expects (CausalLM: the weights on disk).
+                    self.make_room(self.holder.expected_bytes())
+                    self.holder.keep(self.holder.build())
+                elif level.reads_source_per_task:
+                    self.template.measure_source()
+            if not self.lifecycle.move(READY):
+                return False  # closed meanwhile
         except BaseException as exc:
-            if self._closed:  # the worker is closing: the load was cut short, not broken
+            if self.lifecycle.closed:  # the worker is closing: cut short, not broken
                 logger.info(
                     "Load of context %r on %s abandoned at close (%s)",
                     self.context.name,
                     self.worker_address,
                     _describe(exc),
                 )
-                return
-            self._set_state(FAILED, self._explain(exc))
+                return False
+            self.lifecycle.move(FAILED, self._explain(exc))
             logger.error(
                 "Context %r failed on %s: %s", self.context.name, self.worker_address, self.error
             )
-        finally:
-            self._event.set()
+            return False
+        logger.info(
+            "Context %r ready on %s (level %s)", self.context.name, self.worker_address, self.level
+        )
+        return True
 
     def _explain(self, exc: BaseException) -> str:
-        """The failure as the user should read it: a build from the worker's own copy of
-        the template also names the user's source, where a damaged file must be fixed."""
-        text = _describe(exc)
-        template, location = self.context.template, self.record.location
-        if isinstance(exc, (ChunkError, TemplateFetchError)) or not location:
-            return text  # the copy failed, not the build: its message says where and why
-        if template and location != template:
-            return f"{text} (building from {location!r}, this worker's copy of {template!r})"
-        return f"{text} (building from {location!r})"
+        return explain(exc, self.context.template, self.lifecycle.get("location"))
 
     # -- memory budget ---------------------------------------------------------------------
     def make_room(self, incoming: int) -> None:
         """Evict idle resident contexts of this worker until ``incoming`` more bytes fit."""
-        resident = [p.holder for p in context_plugins(self._worker).values() if p.level == "full"]
+        plugins = context_plugins(self._worker).values()
+        resident = [p.holder for p in plugins if p.lifecycle.level.resident]
         self.budget.make_room(self.holder, resident, incoming)
 
     # -- used by tasks ---------------------------------------------------------------------
@@ -265,15 +263,10 @@ class ContextPlugin(WorkerPlugin):
 
         An evicted context is rebuilt first.
         """
-        with self._lock:
-            rebuild = self.record.state == EVICTED and not self._closed
-            if rebuild:
-                self.record.state = LOADING
-        if rebuild:
+        if self.lifecycle.move(LOADING, only_from=(EVICTED,)):
             logger.info(
                 "Rebuilding evicted context %r on %s", self.context.name, self.worker_address
             )
-            self.reporter.changed()
             self._start_load()
         if not self._event.wait(timeout):
             raise ContextTimeoutError(
@@ -311,7 +304,7 @@ class ContextPlugin(WorkerPlugin):
                 deadline = time.monotonic() + float(seconds)
             self.wait_ready(max(0.0, deadline - time.monotonic()))
         try:
-            return self.strategy.take(self, value)
+            return self._take(value)
         except BaseException as exc:
             self.holder.returned(None, owned=False)
             raise ContextLoadError(
@@ -319,6 +312,15 @@ class ContextPlugin(WorkerPlugin):
                 f"{self.worker_address}: {self._explain(exc)}",
                 {self.worker_address: self._explain(exc)},
             ) from exc
+
+    def _take(self, resident: Any) -> tuple[Any, bool]:
+        level = self.lifecycle.level
+        if level.resident:
+            return resident, False
+        if level.reads_source_per_task:
+            self.template.read_source()
+        with build_for_one_task():
+            return self.holder.build(), True
 
     def done(self, value: Any, owned: bool) -> None:
         """A task is done with the context; drop a per-task object."""
@@ -330,5 +332,5 @@ def context_plugins(worker: Worker) -> dict[str, ContextPlugin]:
     return {
         p.context.name: p
         for p in list(worker.plugins.values())  # a snapshot: load threads call this too
-        if isinstance(p, ContextPlugin) and hasattr(p, "record")
+        if isinstance(p, ContextPlugin) and hasattr(p, "lifecycle")
     }

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from dask_pcm.protocol import STATE_OP, ContextStatus
+from dask_pcm.protocol import STATE_OP
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -24,20 +25,19 @@ _RESEND_SECONDS = 0.5
 
 
 class Reporter:
-    """Reports ``record`` (guarded by ``lock``) of a context on ``worker``, tagged with
+    """Reports the record that ``snapshot`` returns (a context on ``worker``), tagged with
     ``registration``."""
 
     def __init__(
         self,
         worker: Worker,
-        record: ContextStatus,
-        lock: threading.Lock,
+        snapshot: Callable[[], dict[str, Any]],
         registration: str | None = None,
     ) -> None:
         self.worker = worker
-        self.record = record
-        self.lock = lock
+        self.snapshot = snapshot
         self.registration = registration
+        self.lock = threading.Lock()  # guards the versions below
         self._version = 0
         self._sent_version = -1
         self._scheduled = False
@@ -77,8 +77,7 @@ class Reporter:
                 self._scheduled = True
             self.worker.loop.call_later(_RESEND_SECONDS, self.send)
             return
-        with self.lock:
-            report = self.record.report()
+        report = self.snapshot()
         message = {"op": STATE_OP, "seq": time.monotonic_ns(), **report}
         if self.registration is not None:
             message["registration"] = self.registration

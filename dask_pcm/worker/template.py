@@ -14,7 +14,7 @@ built from: a model, or any tree of files; none for a context with ``template=No
   and benchmarks).
 
 What it learns (bytes from peers and from the source, corrupted chunks, time) goes into the
-context's status record.
+context's status record, through its :class:`~dask_pcm.worker.lifecycle.Lifecycle`.
 """
 
 from __future__ import annotations
@@ -23,13 +23,11 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config
 from dask_pcm.exceptions import TemplateFetchError
-from dask_pcm.protocol import ContextStatus
 from dask_pcm.templates.fetch import Planner, SourcePlanner, fetch
 from dask_pcm.templates.local import local_copy
 from dask_pcm.templates.manifest import Manifest, build_manifest
@@ -38,10 +36,9 @@ from dask_pcm.templates.report import FetchReport
 from dask_pcm.templates.serve import TemplateStore
 from dask_pcm.templates.sources import EMBEDDED
 from dask_pcm.templates.tree import TemplateFiles, list_template
+from dask_pcm.worker.lifecycle import Lifecycle
 
 if TYPE_CHECKING:
-    import threading
-
     from distributed import Worker
 
 logger = logging.getLogger(__name__)
@@ -51,7 +48,7 @@ PROGRESS_SECONDS = 1.0
 
 
 class WorkerTemplate:
-    """The template of context ``record.context`` on ``worker``.
+    """The template of a context (``lifecycle``'s) on ``worker``.
 
     Parameters
     ----------
@@ -61,10 +58,9 @@ class WorkerTemplate:
         What the user named: a path, a hub id, ``"embedded"``; None for no files.
     manifest
         The template's chunk manifest (JSON) from the client, or None.
-    record, lock
-        The context's status record on this worker, and the lock that guards it.
-    changed
-        Called when the record changed (bytes copied so far, every second of a copy).
+    lifecycle
+        The context's state on this worker: what the copy learns goes into its record
+        (bytes copied so far every second of a copy, then the copy's totals).
     loader
         The context's loader: which files of the template travel is its choice
         (:func:`dask_pcm.templates.tree.list_template`).
@@ -75,18 +71,15 @@ class WorkerTemplate:
         worker: Worker,
         template: str | None,
         manifest: str | None,
-        record: ContextStatus,
-        lock: threading.Lock,
-        changed: Callable[[], None] = lambda: None,
+        lifecycle: Lifecycle,
         loader: Any = None,
     ) -> None:
         self.worker = worker
         self.loader = loader
         self.template = template
         self.manifest = manifest
-        self.record = record
-        self.lock = lock
-        self.changed = changed
+        self.lifecycle = lifecycle
+        self.context = lifecycle.get("context")
         self.directory = Path(
             config.get("worker.template-directory")
             or Path(worker.local_directory) / "pcm-templates"
@@ -100,7 +93,7 @@ class WorkerTemplate:
     def files(self) -> TemplateFiles:
         """The template's files at the source, as the context's loader lists them."""
         if self.template is None:
-            raise TemplateFetchError(f"context {self.record.context!r} has no template files")
+            raise TemplateFetchError(f"context {self.context!r} has no template files")
         return list_template(self.template, self.loader)
 
     def copy(self) -> str:
@@ -120,20 +113,21 @@ class WorkerTemplate:
         )
         store.add(dest, manifest)
         location = str(dest / manifest.entry) if manifest.entry else str(dest)
-        with self.lock:
-            self.record.template_digest = manifest.digest
-            self.record.template_held = True
-            self.record.template_bytes = manifest.total_bytes
-            self.record.location = location
+        self.lifecycle.update(
+            template_digest=manifest.digest,
+            template_held=True,
+            template_bytes=manifest.total_bytes,
+            location=location,
+        )
         return location
 
     def _fetch(self, manifest: Manifest, dest: Path, planner: Planner | None) -> None:
         source, problem = self._source_root()
         loop = self.worker.loop.asyncio_loop  # type: ignore[attr-defined]
         report = FetchReport()
-        with self.lock:
-            self.record.template_bytes = manifest.total_bytes
-            before = (self.record.bytes_from_peers, self.record.bytes_from_source)
+        life = self.lifecycle
+        life.update(template_bytes=manifest.total_bytes)
+        before = (life.get("bytes_from_peers"), life.get("bytes_from_source"))
         copying = fetch(self.worker, manifest, dest, source, planner=planner, report=report)
         future = asyncio.run_coroutine_threadsafe(copying, loop)
         try:
@@ -148,16 +142,14 @@ class WorkerTemplate:
                 raise
             raise TemplateFetchError(f"{exc}; the source: {problem}") from exc
         self._count(report, before)
-        with self.lock:
-            self.record.corrupted_chunks += report.corrupted
-            self.record.fetch_seconds += report.seconds
+        life.add(corrupted_chunks=report.corrupted, fetch_seconds=report.seconds)
         self._log(report)
 
     def _count(self, report: FetchReport, before: tuple[int, int]) -> None:
-        with self.lock:
-            self.record.bytes_from_peers = before[0] + report.bytes_from_peers
-            self.record.bytes_from_source = before[1] + report.bytes_from_source
-        self.changed()
+        self.lifecycle.update(
+            bytes_from_peers=before[0] + report.bytes_from_peers,
+            bytes_from_source=before[1] + report.bytes_from_source,
+        )
 
     def _log(self, report: FetchReport) -> None:
         troubled = report.corrupted or report.failed_peers
@@ -165,8 +157,8 @@ class WorkerTemplate:
             logging.WARNING if troubled else logging.INFO,
             "Template of %r fetched on %s: %d bytes from peers, %d from the source, "
             "%d corrupted chunk(s) discarded, %.2f s; peers: %s",
-            self.record.context,
-            self.record.worker,
+            self.context,
+            self.lifecycle.get("worker"),
             report.bytes_from_peers,
             report.bytes_from_source,
             report.corrupted,
@@ -184,20 +176,17 @@ class WorkerTemplate:
     def measure_source(self) -> None:
         """Record the bytes one build at level ``agnostic`` reads from the source."""
         nbytes = _source_bytes(self) if self.has_files else 0
-        with self.lock:
-            self.record.template_bytes = nbytes
+        self.lifecycle.update(template_bytes=nbytes)
 
     def read_source(self) -> None:
         """Account one read of the template from the source (every build at ``agnostic``):
         under a simulated shared filesystem it waits for its share of the host's link, as
         a level ``agnostic`` run would on a cluster's shared storage."""
-        nbytes = self.record.template_bytes
+        nbytes = self.lifecycle.get("template_bytes")
         if not nbytes:
             return
         waited = source_reader().account(nbytes)
-        with self.lock:
-            self.record.bytes_from_source += nbytes
-            self.record.fetch_seconds += waited
+        self.lifecycle.add(bytes_from_source=nbytes, fetch_seconds=waited)
 
 
 def _source_bytes(template: WorkerTemplate) -> int:
