@@ -1,4 +1,4 @@
-"""Regenerate the benchmark tables in the READMEs from the committed JSON.
+"""Regenerate the benchmark tables in the docs and benchmarks/README.md from the committed JSON.
 
 Usage::
 
@@ -48,7 +48,9 @@ from typing import Any, NamedTuple
 
 BENCHMARKS = Path(__file__).resolve().parent
 REPO = BENCHMARKS.parent
-MARKDOWN = (REPO / "README.md", BENCHMARKS / "README.md")
+#: Every markdown file with generated blocks (tests/test_report.py checks that no other file
+#: in the repository has report markers).
+MARKDOWN = (REPO / "docs" / "benchmarks.md", BENCHMARKS / "README.md")
 
 _DATED = re.compile(r"^(?P<name>.+)-(?P<date>\d{4}-\d{2}-\d{2})\.json$")
 _RUN_DIR = re.compile(r"^\d{4}-\d{2}-\d{2}$")

@@ -243,3 +243,18 @@ def test_a_json_without_the_generators_fields_is_an_error_naming_the_block(tmp_p
         report.ReportError, match=r"README.md:2: report:preemption: (KeyError|ReportError)"
     ):
         report.regenerate(tmp_path, [md])
+
+
+def test_every_generated_table_in_the_repository_is_checked() -> None:
+    """``report.py --check`` (CI) covers every markdown file with report markers, and the
+    committed tables match the committed JSON."""
+    repo = REPORT.parent.parent
+    marked = set()
+    for path in repo.rglob("*.md"):
+        parts = path.relative_to(repo).parts
+        if any(p.startswith(".") or p in {"_build", "node_modules"} for p in parts):
+            continue
+        if any(report._MARKER.match(line) for line in path.read_text().splitlines()):
+            marked.add(path)
+    assert marked == set(report.MARKDOWN)
+    assert report.check(), "stale benchmark tables: run python benchmarks/report.py"
