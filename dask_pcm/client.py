@@ -2,30 +2,30 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import uuid
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any
 
+from dask.base import tokenize
 from dask.utils import parse_timedelta
 from distributed.protocol.pickle import dumps
 
 from dask_pcm import config
 from dask_pcm.context import Context
-from dask_pcm.deploy.preemption import GracefulPreemption
-from dask_pcm.exceptions import ContextLoadError, ContextNotFoundError, PCMError
-from dask_pcm.protocol import COLUMNS
-from dask_pcm.scheduler import ContextScheduler, get_plugin
+from dask_pcm.exceptions import ContextLoadError, PCMError
+from dask_pcm.protocol import COLUMNS, SETTLE_OP
+from dask_pcm.scheduler import registration
 from dask_pcm.tasks import ContextTask
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.sources import EMBEDDED
 from dask_pcm.templates.tree import list_template
-from dask_pcm.worker import PLUGIN_PREFIX, ContextPlugin, context_plugins, plugin_name
+from dask_pcm.worker import ContextPlugin
 
 if TYPE_CHECKING:
     import pandas as pd
-    from distributed import Client, Future, Worker
+    from distributed import Client, Future
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,12 @@ def register(
 ) -> pd.DataFrame:
     """Materialise ``contexts`` on every worker of ``client``'s cluster, now and later.
 
-    Registers one :class:`~distributed.WorkerPlugin` per context through
-    ``Client.register_plugin``; workers that join later build the context when they join.
-    Then waits until the context is ready (or failed) on every worker present.
+    Two calls to the scheduler (:mod:`dask_pcm.scheduler.registration`): one declares the
+    contexts and registers one :class:`~distributed.WorkerPlugin` per context through the
+    scheduler's own ``register_worker_plugin`` (it installs dask_pcm's scheduler plugin
+    first where no preload did), so that workers that join later build the context when
+    they join; the other answers when the context is ready (or failed) on every worker
+    present, from the state reports the scheduler receives.
 
     Parameters
     ----------
@@ -55,13 +58,15 @@ def register(
         worker still loading then counts as failed. Default ``pcm.worker.ready-timeout``.
     reload : bool
         Registering a context identical to one already registered (same name, loader,
-        template and level) keeps the resident copies, so a notebook can call ``register``
-        again without reloading the model. ``reload=True`` rebuilds it on every worker.
+        template, level and template files, by :func:`dask.base.tokenize`) keeps the
+        resident copies, so a notebook can call ``register`` again without reloading the
+        model. ``reload=True`` rebuilds it on every worker.
 
     Returns
     -------
     pandas.DataFrame
-        :func:`status` of the registered contexts.
+        :func:`status` of the registered contexts. With no worker connected it has no
+        rows; workers that join later build the contexts.
 
     Raises
     ------
@@ -83,54 +88,57 @@ def register(
     for ctx in contexts:
         if not isinstance(ctx, Context):
             raise TypeError(f"register() takes Context objects, got {ctx!r}")
-    # The scheduler plugin first: worker plugins report to it from their first moment.
-    client.register_plugin(ContextScheduler())
-    # Workers retire gracefully on a batch system's preemption warning (SIGUSR2).
-    client.register_plugin(GracefulPreemption())
-    for ctx in contexts:
-        chosen = config.check_level(ctx.level or level or config.default_level())
-        plugin = ContextPlugin(ctx, chosen, _manifest_json(ctx, chosen))
-        if not reload and _already_registered(client, plugin):
-            logger.info("Context %r already registered; reusing it", ctx.name)
-            continue
-        client.run_on_scheduler(_declare, ctx.name, chosen)
-        client.register_plugin(plugin, name=plugin.name)
-        logger.info("Registered context %r at level %s", ctx.name, chosen)
-
+    declarations = [_declaration(ctx, level) for ctx in contexts]
+    installed = client.run_on_scheduler(registration.declare, declarations, reload)
+    for d in declarations:
+        if installed[d["name"]]:
+            logger.info("Registered context %r at level %s", d["name"], d["level"])
+        else:
+            logger.info("Context %r already registered; reusing it", d["name"])
     wait_s = config.ready_timeout() if timeout is None else _seconds(timeout)
-    results = client.run(_wait_ready, names, wait_s, on_error="return")
-    failures: dict[str, dict[str, str]] = {}
-    for worker, per_context in list(results.items()):
-        if isinstance(per_context, BaseException):
-            # The worker left while loading (preempted, scancel'd): no failure of the
-            # context. Workers that join later build it themselves.
-            logger.warning(
-                "Worker %s left while context(s) %s loaded (%r); going on without it",
-                worker,
-                ", ".join(names),
-                per_context,
-            )
-            del results[worker]
-            continue
-        for name, error in per_context.items():
-            if error is not None:
-                failures.setdefault(name, {})[worker] = error
-    if failures:
-        lines = []
-        for name, by_worker in failures.items():
-            everywhere = len(by_worker) == len(results)
-            if everywhere:
-                unregister(client, name)
-            lines.append(
-                f"context {name!r} failed on {len(by_worker)} of {len(results)} worker(s)"
-                + (" and was unregistered:" if everywhere else ":")
-            )
-            lines.extend(f"  {w}: {msg}" for w, msg in sorted(by_worker.items()))
-        merged = {w: m for by_worker in failures.values() for w, m in by_worker.items()}
-        raise ContextLoadError("\n".join(lines), merged)
-    # The workers' "ready" reports travel on their own streams: let them land.
-    client.run_on_scheduler(_settled, names, list(results), 5.0)
-    return status(client, names)
+    settle = getattr(client.scheduler, SETTLE_OP)  # the scheduler plugin's handler
+    answer = client.sync(settle, names=names, timeout=wait_s)
+    if answer["left"]:
+        # Preempted or scancel'd while loading: no failure of the context. Workers that
+        # join later build it themselves.
+        logger.warning(
+            "Worker(s) %s left while context(s) %s loaded; going on without them",
+            ", ".join(answer["left"]),
+            ", ".join(names),
+        )
+    if answer["failures"]:
+        raise _load_error(answer)
+    return _table(answer["rows"])
+
+
+def _declaration(ctx: Context, level: str | None) -> dict[str, Any]:
+    """What :func:`dask_pcm.scheduler.registration.declare` needs of one context."""
+    chosen = config.check_level(ctx.level or level or config.default_level())
+    manifest = _manifest_json(ctx, chosen)
+    registration_id = uuid.uuid4().hex
+    plugin = ContextPlugin(ctx, chosen, manifest, registration_id)
+    return {
+        "name": ctx.name,
+        "level": chosen,
+        # Dask's own identity of the declaration: equal contexts need no reload.
+        "token": tokenize(ctx, chosen, manifest),
+        "registration": registration_id,
+        "plugin": dumps(plugin),
+    }
+
+
+def _load_error(answer: dict[str, Any]) -> ContextLoadError:
+    """The error of a settle answer with failures: one paragraph per context."""
+    lines = []
+    waited = len(answer["workers"])
+    for name, by_worker in answer["failures"].items():
+        lines.append(
+            f"context {name!r} failed on {len(by_worker)} of {waited} worker(s)"
+            + (" and was unregistered:" if name in answer["unregistered"] else ":")
+        )
+        lines.extend(f"  {w}: {msg}" for w, msg in sorted(by_worker.items()))
+    merged = {w: m for by_worker in answer["failures"].values() for w, m in by_worker.items()}
+    return ContextLoadError("\n".join(lines), merged)
 
 
 def _manifest_json(ctx: Context, level: str) -> str | None:
@@ -157,47 +165,6 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
     return manifest.to_json()
 
 
-def _declare(name: str, level: str, dask_scheduler: Any = None) -> None:
-    get_plugin(dask_scheduler).declare(name, level)
-
-
-async def _settled(
-    names: list[str], workers: list[str], timeout: float, dask_scheduler: Any = None
-) -> None:
-    plugin = get_plugin(dask_scheduler)
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        rows = plugin.rows(names)
-        if all(r["state"] in ("ready", "failed") for r in rows if r["worker"] in workers):
-            return
-        await asyncio.sleep(0.02)
-
-
-async def _wait_ready(
-    names: list[str], timeout: float | None, dask_worker: Worker
-) -> dict[str, str | None]:
-    plugins = context_plugins(dask_worker)
-    out: dict[str, str | None] = {}
-    for name in names:
-        plugin = plugins.get(name)
-        if plugin is None:
-            out[name] = f"context {name!r} is not registered on this worker"
-            continue
-        try:
-            await asyncio.to_thread(plugin.wait_ready, timeout)
-            out[name] = None
-        except Exception as exc:
-            out[name] = plugin.error or str(exc)
-    return out
-
-
-def _already_registered(client: Client, plugin: ContextPlugin) -> bool:
-    def stored(name: str, dask_scheduler: Any = None) -> bytes | None:
-        return dask_scheduler.worker_plugins.get(name)
-
-    return client.run_on_scheduler(stored, plugin.name) == dumps(plugin)
-
-
 def _seconds(value: float | str) -> float:
     return float(parse_timedelta(value, default="s"))
 
@@ -214,33 +181,12 @@ def unregister(client: Client, *names: str) -> None:
     --------
     >>> dask_pcm.unregister(client, "smollm2")             # doctest: +SKIP
     """
-    registered = registered_contexts(client)
-    missing = [n for n in names if n not in registered]
-    if missing:
-        raise ContextNotFoundError(
-            f"not registered: {missing}; registered contexts: {sorted(registered) or 'none'}"
-        )
-    for name in names:
-        client.unregister_worker_plugin(plugin_name(name))
-        client.run_on_scheduler(_forget, name)
-
-
-def _forget(name: str, dask_scheduler: Any = None) -> None:
-    get_plugin(dask_scheduler).forget(name)
+    client.run_on_scheduler(registration.unregister, list(names))
 
 
 def registered_contexts(client: Client) -> list[str]:
     """Names of the contexts registered with the scheduler (for present and future workers)."""
-
-    def names(dask_scheduler: Any) -> list[str]:
-        return [n for n in dask_scheduler.worker_plugins if n.startswith(PLUGIN_PREFIX)]
-
-    return sorted(n[len(PLUGIN_PREFIX) :] for n in client.run_on_scheduler(names))
-
-
-def _status_rows(contexts: list[str] | None, dask_scheduler: Any = None) -> list[dict[str, Any]]:
-    plugin = dask_scheduler.plugins.get(ContextScheduler.name)
-    return [] if plugin is None else plugin.rows(contexts)
+    return client.run_on_scheduler(registration.registered)
 
 
 def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFrame:
@@ -259,10 +205,13 @@ def status(client: Client, contexts: Iterable[str] | None = None) -> pd.DataFram
     --------
     >>> dask_pcm.status(client)[["worker", "context", "state", "loads", "tasks"]]  # doctest: +SKIP
     """
+    wanted = None if contexts is None else list(contexts)
+    return _table(client.run_on_scheduler(registration.status_rows, wanted))
+
+
+def _table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     from dask_pcm.status_table import StatusTable  # pandas, only when a table is asked for
 
-    wanted = None if contexts is None else list(contexts)
-    rows = client.run_on_scheduler(_status_rows, wanted)
     return StatusTable(rows, columns=list(COLUMNS))
 
 

@@ -10,7 +10,8 @@ dask_pcm adds what its workers need:
 - a preemption warning: ``qsub -notify`` on Grid Engine, ``kill_sig = SIGUSR2`` with
   ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
   so that only the worker process reacts to it, by retiring gracefully
-  (:mod:`dask_pcm.deploy.preemption`); on SLURM ``--signal=B:USR2@<drain + 30 s>`` and a job
+  (:mod:`dask_pcm.deploy.preemption`, a worker preload of every job: ``--preload
+  dask_pcm.deploy.preemption``); on SLURM ``--signal=B:USR2@<drain + 30 s>`` and a job
   script whose shell passes USR2 and ``scancel``'s TERM on to the worker
   (:mod:`dask_pcm.deploy.slurm`), and no ``--mem`` beside ``--mem-per-gpu``;
 - ``--preload-nanny dask_pcm.deploy.gpu``: each worker process claims one GPU of those its job
@@ -51,7 +52,7 @@ from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
 from dask_pcm import config
-from dask_pcm.deploy import KINDS, gpu, with_preload
+from dask_pcm.deploy import KINDS, gpu, preemption, with_preload
 from dask_pcm.deploy.jobwatch import HTCondorJob, JobWatch, SGEJob
 from dask_pcm.deploy.slurm import SIGNAL_SLACK, SLURMJob
 
@@ -162,6 +163,9 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
     if gpu.PRELOAD not in args:
         # One GPU per worker process even where the batch system binds none to the job.
         args += ["--preload-nanny", gpu.PRELOAD]
+    if preemption.PRELOAD not in args:
+        # The worker process turns the batch system's warning into a graceful retirement.
+        args += ["--preload", preemption.PRELOAD]
     walltime = setting("walltime")
     if walltime and not any(a.startswith("--lifetime") for a in args):
         seconds = walltime_seconds(walltime)

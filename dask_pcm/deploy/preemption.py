@@ -16,6 +16,11 @@ By default the signals kill a process, so the job script must ignore them in eve
 of the job (the shell, the nanny): ``trap '' USR2`` before the worker command, as
 :func:`dask_pcm.batch_cluster` writes it. Ignored signals stay ignored across ``exec``; the
 plugin installs its own handler in the worker process only.
+
+The batch clusters' workers install the plugin themselves as they start, through the worker
+preload this module is (``dask worker --preload dask_pcm.deploy.preemption``, which
+:func:`dask_pcm.batch_cluster` adds to every job); workers of a local cluster, which no batch
+system preempts, go without it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME = "dask-pcm-preemption"
+#: The worker preload that installs :class:`GracefulPreemption` (``dask worker --preload``).
+PRELOAD = "dask_pcm.deploy.preemption"
 
 
 def preemption_signals() -> list[signal.Signals]:
@@ -134,3 +141,8 @@ class GracefulPreemption(WorkerPlugin):
             stimulus_id=f"pcm-preempted-{time.time()}",
         )
         await worker.close(nanny=True, reason=reason)
+
+
+async def dask_setup(worker: Worker) -> None:
+    """The worker preload's hook: install :class:`GracefulPreemption` on ``worker``."""
+    await worker.plugin_add(GracefulPreemption(), name=NAME)

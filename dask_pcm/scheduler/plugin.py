@@ -14,6 +14,8 @@ handlers to the parts that do the work:
 - :class:`~dask_pcm.scheduler.placement.Steering`: restriction sets that send context tasks
   only to workers where their contexts are ready (see that module for the rules);
 - :class:`~dask_pcm.scheduler.directory.ChunkDirectory`: who holds which template chunk;
+- :class:`~dask_pcm.scheduler.readiness.Readiness`: ``register``'s wait until the contexts
+  are ready or failed on every worker (the ``pcm_settle`` handler), woken by the reports;
 - :func:`~dask_pcm.scheduler.adaptive.keep_workers`: what adaptive scaling must not retire;
 - the dashboard routes and Prometheus metrics.
 
@@ -36,10 +38,13 @@ from dask_pcm.exceptions import ContextNotFoundError
 from dask_pcm.scheduler import adaptive, dashboard, metrics
 from dask_pcm.scheduler.directory import ChunkDirectory
 from dask_pcm.scheduler.placement import Steering
+from dask_pcm.scheduler.readiness import Readiness
 from dask_pcm.scheduler.state import ContextStates
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+
+logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "dask-pcm"
 
@@ -47,7 +52,8 @@ PLUGIN_NAME = "dask-pcm"
 class ContextScheduler(SchedulerPlugin):
     """Track contexts per worker and steer context tasks to workers where they are ready.
 
-    Installed by :func:`dask_pcm.register`; one per scheduler. See the module docstring.
+    Installed by the scheduler preload (:mod:`dask_pcm.scheduler.preload`), or by
+    :func:`dask_pcm.register` where none did; one per scheduler. See the module docstring.
     """
 
     name = PLUGIN_NAME
@@ -66,12 +72,14 @@ class ContextScheduler(SchedulerPlugin):
             whole_copies=lambda digest: self.states.holders(digest) & set(scheduler.workers),
             connected=lambda: scheduler.workers,
         )
+        self.readiness = Readiness(scheduler, self.states, self.unregister)
         self._handlers: dict[str, Callable[..., Any]] = {
             protocol.CHUNK_PLAN_OP: self.directory.plan_waiting,
             protocol.CHUNK_HAVE_OP: self.directory.have,
             protocol.KEEP_WORKERS_OP: self.keep_workers,
+            protocol.SETTLE_OP: self.readiness.settle,
         }
-        scheduler.stream_handlers[protocol.STATE_OP] = self._on_state
+        scheduler.stream_handlers[protocol.STATE_OP] = self.on_state
         scheduler.handlers.update(self._handlers)
         self._stuck_check = PeriodicCallback(self.steering.fail_stuck, 1000)
         self._stuck_check.start()
@@ -102,6 +110,7 @@ class ContextScheduler(SchedulerPlugin):
         changed = self.states.remove_worker(worker)
         if changed:
             self.steering.refresh(changed, stimulus_id=f"pcm-remove-worker-{time.time()}")
+        self.readiness.changed()
 
     def update_graph(self, scheduler: Scheduler, *, tasks: list[Any], **kwargs: Any) -> None:
         self.steering.new_tasks(tasks)
@@ -119,24 +128,53 @@ class ContextScheduler(SchedulerPlugin):
             self.steering.forget_task(key)
 
     # -- declarations (from dask_pcm.register / unregister) ---------------------------------
-    def declare(self, name: str, level: str) -> None:
-        """A context was registered: expect a report from every worker."""
+    def declare(
+        self, name: str, level: str, token: str | None = None, registration: str | None = None
+    ) -> None:
+        """A context was registered: expect a report from every worker.
+
+        With a ``registration`` id (a new worker plugin, :mod:`.registration`), what the
+        workers reported of the context so far is dropped, and only reports tagged with that
+        id count from now on.
+        """
         assert self.scheduler is not None
-        self.states.declare(name, level, self.scheduler.workers)
+        if registration is not None:
+            self.readiness.declared(name, token or "", registration)
+        self.states.declare(name, level, self.scheduler.workers, fresh=registration is not None)
         self.steering.refresh([name], stimulus_id=f"pcm-declare-{time.time()}")
 
     def forget(self, name: str) -> None:
         """A context was unregistered: its waiting tasks err, its state goes."""
         self.states.forget(name)
+        self.readiness.forget(name)
         self.steering.refresh([name], stimulus_id=f"pcm-forget-{time.time()}")
 
+    async def unregister(self, name: str) -> None:
+        """Unregister a context from the scheduler and every worker."""
+        assert self.scheduler is not None
+        self.forget(name)
+        try:
+            responses = await self.scheduler.unregister_worker_plugin(
+                None, protocol.plugin_name(name)
+            )
+        except OSError as exc:  # a worker left meanwhile: it has no plugin to remove
+            logger.warning("Unregistering context %r: %s", name, exc)
+            return
+        for worker, response in responses.items():
+            if isinstance(response, dict) and response.get("status") == "error":
+                logger.warning("Context %r on %s: %s", name, worker, response.get("exception_text"))
+
     # -- handlers ----------------------------------------------------------------------------
-    def _on_state(self, worker: str, context: str, state: str, seq: int, **info: Any) -> None:
+    def on_state(self, worker: str, context: str, state: str, seq: int, **info: Any) -> None:
+        """Stream handler: a worker plugin's report (:data:`~dask_pcm.protocol.STATE_OP`)."""
         assert self.scheduler is not None
         if worker not in self.scheduler.workers:
             return  # a late message from a removed worker
+        if not self.readiness.current(context, info.pop("registration", None)):
+            return  # from the plugin a later registration replaced
         if self.states.report(worker, context, state, seq, info):
             self.steering.refresh([context], stimulus_id=f"pcm-{state}-{time.time()}")
+            self.readiness.changed()
 
     def keep_workers(self, names: list[Any]) -> list[Any]:
         """RPC handler: of the workers named ``names`` (to be retired), those to keep

@@ -17,7 +17,7 @@ from distributed import Client
 from distributed.utils import sync
 
 import dask_pcm
-from dask_pcm.deploy import batch, gpu, jobwatch
+from dask_pcm.deploy import batch, gpu, jobwatch, preemption
 from dask_pcm.deploy.batch import batch_cluster, job_options, walltime_seconds
 from dask_pcm.deploy.jobwatch import parse_queue
 from dask_pcm.testing.tasks import noted_square
@@ -42,6 +42,8 @@ def test_sge_jobs_are_warned_before_preemption_and_retire_before_their_walltime(
     # The job shell and the nanny ignore the warning; the worker process handles it.
     assert lines.index("trap '' USR2") < lines.index("module load cuda") < worker
     assert "--lifetime 3060s --lifetime-stagger 180s" in lines[worker]  # 85 % +- 5 % of 1 h
+    # The worker process installs the plugin that turns the warning into a retirement.
+    assert "--preload dask_pcm.deploy.preemption" in lines[worker]
 
 
 def test_configured_lifetime_and_directives_are_kept():
@@ -53,7 +55,9 @@ def test_configured_lifetime_and_directives_are_kept():
     with dask.config.set(settings):
         options = job_options("sge", cores=1, memory="1GB")
     assert options["job_extra_directives"] == ["-notify", "-l h_vmem=8G"]  # no second -notify
-    assert options["worker_extra_args"] == ["--lifetime", "20m", "--preload-nanny", gpu.PRELOAD]
+    assert options["worker_extra_args"] == [
+        "--lifetime", "20m", "--preload-nanny", gpu.PRELOAD, "--preload", preemption.PRELOAD
+    ]  # fmt: skip
     # The scheduler gets the contexts page in its dashboard.
     assert options["scheduler_options"] == {"preload": ["dask_pcm.scheduler.preload"]}
     with pytest.raises(ValueError, match="unknown batch system 'pbs'"):
@@ -264,7 +268,10 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
     log = tmp_path / "runs"
     with (
         dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}),
-        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
+        # The worker preload the batch clusters give their jobs.
+        dask_pcm.local_cluster(
+            n_workers=2, dashboard_address=":0", preload=[preemption.PRELOAD]
+        ) as cluster,
         Client(cluster) as client,
     ):
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
