@@ -2,32 +2,77 @@
 
 :class:`ContextStates` keeps one :class:`Placement` (the status record of
 :mod:`dask_pcm.protocol` plus the time it entered its state and a short history) per worker
-and context, driven by the workers' reports and by the scheduler's own task transitions. It
-answers the questions placement asks (where is a context ready? has it failed everywhere?)
+and context, driven by the workers' reports and by the scheduler's own task transitions.
+:meth:`Placement.move` is the one transition function: it refuses what :data:`TRANSITIONS`
+does not allow, and :meth:`ContextStates.report` drops (and logs) a report that asks for
+that. It answers the questions placement asks (where is a context ready? has it failed everywhere?)
 and reads out status rows and summaries.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dask_pcm.exceptions import TransitionError
 from dask_pcm.protocol import (
     ABSENT,
+    CLOSED,
     EVICTED,
     FAILED,
     READY,
     REPORTED,
+    STATES,
+    WORKER_START,
+    WORKER_TRANSITIONS,
     ContextStatus,
 )
+
+logger = logging.getLogger(__name__)
 
 UNKNOWN = "unknown"  # a context nobody registered
 WAIT = "wait"  # loading somewhere, or no report yet, or no workers
 _HISTORY = 16
 # The identity and state of a report are handled apart from its other fields.
 _COUNTERS = tuple(c for c in REPORTED if c not in ("worker", "context", "state", "level"))
+
+
+def _reachable(table: Mapping[str, frozenset[str]], start: Iterable[str]) -> frozenset[str]:
+    seen: set[str] = set()
+    todo = list(start)
+    while todo:
+        state = todo.pop()
+        if state not in seen:
+            seen.add(state)
+            todo.extend(table.get(state, ()))
+    return frozenset(seen)
+
+
+def scheduler_transitions() -> dict[str, frozenset[str]]:
+    """The scheduler's transitions, derived from the worker's
+    (:data:`~dask_pcm.protocol.WORKER_TRANSITIONS`).
+
+    A worker coalesces the changes it makes between two reports, so the scheduler may see
+    any state reachable from the one it knows (``fetching`` -> ``ready``). It starts each
+    placement at ``absent``, from where any state a worker plugin can reach is allowed, and
+    so it is from ``closed``: a worker plugin set up again on that worker. Nothing goes back
+    to ``absent``, and ``failed`` only to ``closed``.
+    """
+    fresh = _reachable(WORKER_TRANSITIONS, WORKER_START)
+    table = {
+        state: _reachable(WORKER_TRANSITIONS, WORKER_TRANSITIONS[state]) - {state}
+        for state in WORKER_TRANSITIONS
+    }
+    table[ABSENT] = fresh
+    table[CLOSED] = fresh - {CLOSED}
+    return table
+
+
+#: What a placement may change to from each state (:func:`scheduler_transitions`).
+TRANSITIONS: dict[str, frozenset[str]] = scheduler_transitions()
 
 
 @dataclass
@@ -42,13 +87,29 @@ class Placement(ContextStatus):
     def __post_init__(self) -> None:
         self.history.append((self.state, self.since))
 
-    def move(self, state: str, now: float) -> None:
+    def move(self, state: str, now: float) -> bool:
+        """Enter ``state`` at time ``now``; whether the state changed (staying is no change).
+
+        Raises
+        ------
+        TransitionError
+            :data:`TRANSITIONS` does not allow it; names the context, worker and states.
+        """
         if state == self.state:
-            return
+            return False
+        allowed = TRANSITIONS.get(self.state, frozenset())
+        if state not in allowed:
+            what = f"unknown state {state!r}" if state not in STATES else f"to {state}"
+            raise TransitionError(
+                f"context {self.context!r} on worker {self.worker} cannot go from "
+                f"{self.state} {what} on the scheduler (from {self.state}: "
+                f"{', '.join(sorted(allowed)) or 'nowhere'})"
+            )
         self.state = state
         self.since = now
         self.history.append((state, now))
         del self.history[:-_HISTORY]
+        return True
 
     def status_row(self, now: float) -> dict[str, Any]:
         """The status row, with the time spent in the current state."""
@@ -91,7 +152,11 @@ class ContextStates:
         return [name for name, by in self.placements.items() if by.pop(worker, None)]
 
     def report(self, worker: str, context: str, state: str, seq: int, info: dict[str, Any]) -> bool:
-        """Apply a worker's report; whether the context's state changed there."""
+        """Apply a worker's report; whether the context's state changed there.
+
+        A report asking for a transition :data:`TRANSITIONS` refuses is dropped whole, with
+        an error in the scheduler's log: raising here would close the worker's stream.
+        """
         by_worker = self.placements.get(context)
         if by_worker is None:
             return False  # unregistered meanwhile
@@ -102,6 +167,11 @@ class ContextStates:
             )
         if seq <= placement.seq:
             return False  # an older report, overtaken
+        try:
+            changed = placement.move(state, time.time())
+        except TransitionError as exc:
+            logger.error("Report dropped: %s", exc)
+            return False
         placement.seq = seq
         loads_before = placement.loads
         for attr in _COUNTERS:
@@ -109,9 +179,7 @@ class ContextStates:
                 setattr(placement, attr, info[attr])
         if placement.loads > loads_before and placement.level == "full":
             self.load_durations.setdefault(context, []).append(placement.last_load_seconds)
-        previous = placement.state
-        placement.move(state, time.time())
-        return previous != placement.state
+        return changed
 
     def task_done(self, names: Iterable[str], worker: str, ok: bool) -> None:
         """A context task finished on ``worker`` (``ok``) or raised there."""
@@ -203,4 +271,4 @@ class ContextStates:
         return out
 
 
-__all__ = ["ABSENT", "UNKNOWN", "WAIT", "ContextStates", "Placement"]
+__all__ = ["ABSENT", "TRANSITIONS", "UNKNOWN", "WAIT", "ContextStates", "Placement"]
