@@ -6,7 +6,8 @@ and links fail. :class:`Network` emulates that on one Linux machine, as root: ea
 ``10.213.0.0/24``; the bridge itself, ``10.213.0.1``, is where a scheduler in this process
 listens), a link capped up and down (a ``tbf`` shaper on each end of its veth pair), its own
 folders (a worker's local directory, ``pcm.lock-directory`` and
-``pcm.worker.template-directory``), and the processes started in it (:meth:`Host.start_worker`
+``pcm.worker.template-directory``; the simulated shared filesystem of
+``pcm.template.source-bandwidth`` is one for all hosts), and the processes started in it (:meth:`Host.start_worker`
 runs ``dask worker`` there). :meth:`Host.cut` drops every frame to and from the host at the
 bridge (``ebtables``, which Debian's iptables package installs), silently, as a dead switch
 port would; :meth:`Host.restore` lets them through again.
@@ -44,6 +45,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from dask_pcm.templates.throttle import SharedBandwidth
 from dask_pcm.testing.netns import (
     BRIDGE,
     PREFIX,
@@ -111,6 +113,10 @@ class Host:
     def _create(self) -> None:
         for folder in (self.lock_directory, self.template_directory, self.local_directory):
             folder.mkdir(parents=True, exist_ok=True)
+        # The simulated shared filesystem is one for the whole cluster, not one per host.
+        shared = self.lock_directory / self.network.source_state.name
+        if not shared.is_symlink():
+            shared.symlink_to(self.network.source_state)
         run("ip", "netns", "add", self.name)
         run("ip", "link", "add", self.outside, "type", "veth", "peer", "name", self.inside)
         run("ip", "link", "set", self.inside, "netns", self.name)
@@ -235,6 +241,10 @@ class Network:
         self.settings = dict(settings or {})
         self.hosts: list[Host] = []
         self.address = f"{SUBNET}.1"
+        # pcm.template.source-bandwidth books reads on a state file in the lock folder
+        # (dask_pcm.templates.throttle); every host's links to this one.
+        name = Path(SharedBandwidth(1, name="template-source")._path).name
+        self.source_state = self.directory / name
         self._lock: TextIO | None = take_lock(lock_timeout)
         try:
             cleanup()  # whatever a killed run left behind
@@ -263,6 +273,10 @@ class Network:
         up, down = (upload, download) if (upload or download) else (link, link)
         host.shape(up, down)
         return host
+
+    def reset_source(self) -> None:
+        """Forget the simulated shared filesystem's bookings (a new benchmark round)."""
+        self.source_state.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Stop every process, remove every namespace, veth, the bridge and the rules."""

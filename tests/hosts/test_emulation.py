@@ -174,3 +174,22 @@ def test_a_second_network_waits_for_the_first(tmp_path):
         pytest.raises(hosts.HostsError, match="another emulated network holds"),
     ):
         hosts.Network(directory=tmp_path / "b", lock_timeout=0.5)
+
+
+def test_the_simulated_shared_filesystem_is_one_for_all_hosts(network):
+    """Reads booked on pcm.template.source-bandwidth from two hosts share one link, as the
+    readers of one shared filesystem do (each host has its own lock folder)."""
+    import dask
+
+    from dask_pcm.templates.throttle import SharedBandwidth
+
+    first, second = network.add_host(), network.add_host()
+    ends = []
+    for host in (first, second):
+        with dask.config.set({"pcm.lock-directory": str(host.lock_directory)}):
+            ends.append(SharedBandwidth(1e6, name="template-source").book(1_000_000) - time.time())
+    assert ends[0] == pytest.approx(1.0, abs=0.2)
+    assert ends[1] == pytest.approx(2.0, abs=0.2)  # queued behind the first host's read
+    network.reset_source()
+    with dask.config.set({"pcm.lock-directory": str(second.lock_directory)}):
+        assert SharedBandwidth(1e6, name="template-source").book(10) - time.time() < 0.1
