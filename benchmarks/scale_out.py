@@ -15,6 +15,10 @@ level ``full``); ``ready_s`` is the two together. The build is kept out of the b
 purpose: here N builds share 2 cores with the copies, on a cluster each has its own. A single copy between two workers, nothing else running, is compared with a
 raw loopback socket copy of the same bytes measured in the same run.
 
+``--hosts`` puts each worker in an emulated host of its own behind a link capped at ``--link``
+Mbit/s (network namespaces, as root: ``benchmarks/_scale_out_hosts.py``), so that the links,
+not this machine's two cores, bound the broadcast.
+
 ``--simulate`` instead runs the broadcast to up to 256 workers in simulated time
 (:mod:`dask_pcm.testing.broadcast`: the real chunk directory, fetch and serve code on one
 event loop; per-worker links and a source of ``--link`` and ``--source`` bytes per second;
@@ -26,6 +30,7 @@ Examples::
     python benchmarks/scale_out.py --quick
     python benchmarks/scale_out.py --json scale_out.json     # N = 1, 2, 4, 8
     python benchmarks/scale_out.py --simulate --json sim.json  # N = 1 ... 256, simulated
+    sudo python benchmarks/scale_out.py --hosts --json hosts.json  # emulated hosts, 24 Mbit/s
 """
 
 from __future__ import annotations
@@ -398,10 +403,27 @@ def main() -> None:
     p.add_argument("--simulate", action="store_true", help="the broadcast in simulated time")
     p.add_argument("--template-gb", type=float, default=3.4, help="--simulate: template size")
     p.add_argument("--chunk-mib", type=int, default=64, help="--simulate: chunk size (64)")
-    p.add_argument("--link", type=float, default=1e9, help="--simulate: B/s per worker link")
+    p.add_argument(
+        "--link",
+        type=float,
+        help="--simulate: B/s per worker link (default 1e9); --hosts: Mbit/s each way per "
+        "host (default 24)",
+    )
+    p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="each worker in an emulated host behind a capped link (root; ci/hosts/setup.sh)",
+    )
     p.add_argument("--source", type=float, default=1e9, help="--simulate: B/s of the source")
     args = p.parse_args()
+    if args.hosts:
+        import _scale_out_hosts
+
+        _scale_out_hosts.run(args)
+        return
     if args.simulate:
+        if args.link is None:
+            args.link = 1e9
         simulated(args)
         return
     sizes = [int(s) for s in (args.sizes or ("2" if args.quick else "1,2,4,8")).split(",")]

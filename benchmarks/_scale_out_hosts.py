@@ -1,0 +1,249 @@
+"""``scale_out.py --hosts``: the broadcast between emulated hosts, bound by their links.
+
+Each worker runs in a host of its own (:mod:`dask_pcm.testing.hosts`: a network namespace
+on a private bridge, its link capped at ``--link`` Mbit/s each way by a token-bucket shaper,
+its own lock and template folders); the scheduler and client run on the bridge. The source is
+the simulated shared filesystem (``pcm.template.source-bandwidth``), one for all hosts, at the
+rate of one link: a file server behind a link like the hosts'. Its reads do not cross the
+emulated links (it stands for storage the hosts reach by another path).
+
+Per round, each variant in random order: ``single`` (a host copies the whole template from
+one that holds it, nothing else running: the copy's rate against the cap), and ``source`` and
+``p2p`` at N = 1, 2, 4, 8 hosts joining at once. ``held_s``: from registering a context at
+level ``partial`` until every worker holds the template; ``ready_s``: plus the same template
+at level ``full`` (each worker builds the model from its copy). The CPU seconds of every
+process during the broadcast, over the cores, show how far the cores were from binding it.
+
+The template defaults to a random Llama of 12 MB (hidden size 256, 4 layers) and the link
+to 24 Mbit/s: a copy takes about 4 s, and the N=8 broadcast moves 90 MB, a fraction of a
+CPU-second. The embedded 538 MB model at the same 4 s per copy would need 1 Gbit/s links and
+the 2 cores would bind again (issue 33: 17 CPU-s in a 9.8 s broadcast on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import _harness as h
+import _protocol as P
+import psutil
+from distributed import Client
+
+import dask_pcm
+from dask_pcm.templates.manifest import build_manifest
+
+DEFAULT_LINK = 24.0  # Mbit/s
+CHUNK = "256 KiB"
+MODES = ("source", "p2p")
+
+COLUMNS = [
+    ("n", "N", "d"),
+    ("mode", "mode", "s"),
+    ("startup_seconds", "startup_s", ".1f"),
+    ("held_seconds", "held_s", ".2f"),
+    ("held_cpu_share", "CPU_share", ".2f"),
+    ("seconds", "ready_s", ".2f"),
+    ("mb_from_source", "MB_source", ".1f"),
+    ("mb_from_peers", "MB_peers", ".1f"),
+]
+
+
+def small_model() -> str:
+    """The default template: a 12 MB random Llama, built once in ``pcm.cache-directory``."""
+    from dask_pcm import config
+
+    folder = Path(config.cache_directory()) / "bench-small-llama"
+    return str(dask_pcm.build_tiny_llama(folder, hidden_size=256, num_layers=4, num_heads=4))
+
+
+def _cpu_seconds(client: Client) -> float:
+    """CPU seconds so far of this process (scheduler, client) and every worker process."""
+
+    def used() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    return used() + sum(client.run(used).values())
+
+
+def _register(client: Client, model: str, level: str) -> float:
+    start = time.perf_counter()
+    dask_pcm.register(client, dask_pcm.causal_lm(model, name=level, device="cpu", level=level))
+    seconds = time.perf_counter() - start
+    table = dask_pcm.status(client, [level])
+    if not (table["state"] == "ready").all():
+        raise RuntimeError(f"not ready at {level}: {table[['worker', 'state', 'error']]}")
+    return seconds
+
+
+def _network(n: int, link: float, mode: str) -> Any:
+    from dask_pcm.testing.hosts import Network
+
+    rate = link * 1e6 / 8
+    settings = {
+        "pcm.template.chunk-size": CHUNK,
+        "pcm.template.source-bandwidth": int(rate),
+        "pcm.template.peer-to-peer": mode != "source",
+    }
+    return Network(hosts=n, link=link, settings=settings), settings
+
+
+def _workers(net: Any, client: Client, address: str, hosts: list) -> float:
+    start = time.perf_counter()
+    for host in hosts:
+        host.start_worker(address)
+    client.wait_for_workers(len(net.hosts), timeout=300)
+    return time.perf_counter() - start
+
+
+def broadcast(n: int, mode: str, model: str, link: float) -> dict[str, Any]:
+    """N hosts joining at once: the template broadcast, then the model built on each."""
+    import dask
+
+    net, settings = _network(n, link, mode)
+    with (
+        net,
+        dask.config.set(settings),
+        dask_pcm.local_cluster(n_workers=0, host=net.address, dashboard_address=":0") as cl,
+        Client(cl) as client,
+    ):
+        startup = _workers(net, client, cl.scheduler_address, net.hosts)
+        net.reset_source()
+        before = _cpu_seconds(client)
+        held = _register(client, model, "partial")
+        cpu = _cpu_seconds(client) - before
+        ready = held + _register(client, model, "full")
+        table = dask_pcm.status(client, ["partial"])
+    return {
+        "n": n,
+        "mode": mode,
+        "startup_seconds": startup,
+        "held_seconds": held,
+        "held_cpu_seconds": cpu,
+        # The share of the machine's cores the broadcast used: far below 1, the links bound it.
+        "held_cpu_share": cpu / held / (os.cpu_count() or 1),
+        "seconds": ready,
+        "mean_fetch_seconds": float(table["fetch_seconds"].mean()),
+        "mb_from_source": table["bytes_from_source"].sum() / 1e6,
+        "mb_from_peers": table["bytes_from_peers"].sum() / 1e6,
+    }
+
+
+def single(model: str, link: float) -> dict[str, Any]:
+    """One host copies the whole template from another that holds it, nothing else running."""
+    import dask
+
+    net, settings = _network(1, link, "p2p")
+    with (
+        net,
+        dask.config.set(settings),
+        dask_pcm.local_cluster(n_workers=0, host=net.address, dashboard_address=":0") as cl,
+        Client(cl) as client,
+    ):
+        _workers(net, client, cl.scheduler_address, net.hosts)
+        _register(client, model, "partial")
+        joiner = net.add_host(link=link)
+        _workers(net, client, cl.scheduler_address, [joiner])
+        deadline = time.monotonic() + 600
+        while True:
+            table = dask_pcm.status(client, ["partial"])
+            if len(table) == 2 and (table["state"] == "ready").all():
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the joiner never got ready: {table[['worker', 'state']]}")
+            time.sleep(0.1)
+    row = table[table["bytes_from_peers"] > 0].iloc[0]
+    rate = row["bytes_from_peers"] / row["fetch_seconds"]
+    return {
+        "mode": "single",
+        "fetch_seconds": float(row["fetch_seconds"]),
+        "mb_from_peers": row["bytes_from_peers"] / 1e6,
+        "mbit_per_s": rate * 8 / 1e6,
+        "of_link": rate * 8 / 1e6 / link,
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    """``--hosts``: every variant in rounds, the summary, the JSON and its plot."""
+    from dask_pcm.testing import hosts
+
+    reason = hosts.unavailable()
+    if reason:
+        message = f"--hosts needs emulated hosts: {reason}"
+        if os.environ.get("PCM_REQUIRE_HOSTS"):
+            raise SystemExit(message)
+        print(f"skipped: {message}")
+        return
+    link = args.link if args.link is not None else DEFAULT_LINK
+    sizes = [int(s) for s in (args.sizes or ("2" if args.quick else "1,2,4,8")).split(",")]
+    model = h.model_path(args) if args.model else small_model()
+    manifest, _ = build_manifest(model, 256 * 1024)
+    print(
+        f"template {manifest.total_bytes / 1e6:.1f} MB in {manifest.nchunks} chunks; links "
+        f"{link:g} Mbit/s each way; source {link / 8:g} MB/s shared by all hosts "
+        f"(one copy alone: {manifest.total_bytes * 8 / link / 1e6:.1f} s)"
+    )
+    reps = P.repetitions(args.quick, args.repetitions)
+    variants = ["single"] + [f"{m}@{n}" for n in sizes for m in MODES]
+    rows: list[dict[str, Any]] = []
+    load = []
+    for rnd, variant in P.schedule(variants, reps, args.seed):
+        mode, _, n = variant.partition("@")
+        load.append(os.getloadavg()[0])
+        r = single(model, link) if mode == "single" else broadcast(int(n), mode, model, link)
+        rows.append({"round": rnd, **r})
+        print(f"  round {rnd} {variant}: " + (
+            f"{r['mbit_per_s']:.1f} Mbit/s ({r['of_link']:.2f} of the link)" if mode == "single"
+            else f"held {r['held_seconds']:.2f} s, ready {r['seconds']:.2f} s, "
+                 f"CPU share {r['held_cpu_share']:.2f}"
+        ), flush=True)  # fmt: skip
+    rows.sort(key=lambda r: (r["round"], r.get("n", 0), r["mode"]))
+    scaled = [r for r in rows if r["mode"] != "single"]
+    h.print_table(scaled, [("round", "round", "d"), *COLUMNS])
+    summary = summarise(rows, sizes)
+    for entry in summary:
+        print(f"  {entry['metric']} {entry.get('mode', '')} N={entry.get('n', '')}: "
+              f"{P.format_interval(entry)}")  # fmt: skip
+    h.write_json(
+        args.json,
+        rows,
+        reps=reps,
+        summary=summary,
+        seed=args.seed,
+        link_mbit_per_s=link,
+        template_mb=manifest.total_bytes / 1e6,
+        chunk=CHUNK,
+        load_average_during=[round(x, 2) for x in load],
+    )
+    held = [e for e in summary if e["metric"] == "held_seconds"]
+    h.plot_bars(args.json, held, "n", "median", group="mode", ylabel="s until all hold it",
+                title=f"Emulated hosts, {link:g} Mbit/s links: source alone or peer to peer")  # fmt: skip
+
+
+def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+    """Medians and 95 % intervals over rounds: held and ready seconds per N and mode, p2p held
+    at N over N=1, source held at N over N=1, the CPU share, and the single copy's rate."""
+    out: list[dict[str, Any]] = []
+    rounds = sorted({r["round"] for r in rows})
+    key = {(r["mode"], r.get("n"), r["round"]): r for r in rows}
+
+    def series(mode: str, n: int | None, field: str) -> list[float]:
+        return [key[(mode, n, rnd)][field] for rnd in rounds]
+
+    for n in sizes:
+        for mode in MODES:
+            for field in ("held_seconds", "seconds", "held_cpu_share"):
+                out.append({"metric": field, "n": n, "mode": mode,
+                            **P.interval(series(mode, n, field))})  # fmt: skip
+            if n > 1 and 1 in sizes:
+                growth = P.ratio_interval(
+                    series(mode, n, "held_seconds"), series(mode, 1, "held_seconds")
+                )
+                out.append({"metric": "held_over_n1", "n": n, "mode": mode, **growth})
+    for field in ("mbit_per_s", "of_link"):
+        out.append({"metric": field, "mode": "single", **P.interval(series("single", None, field))})
+    return out
