@@ -34,11 +34,10 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-exclude_patterns = ["_build", "images/README.md"]
+exclude_patterns = ["_build"]
 
 # GitHub's heading anchors (`page.md#a-heading`) work here too.
 myst_heading_anchors = 3
-myst_enable_extensions = ["colon_fence"]
 
 # The API reference: members listed by the page, in its order, with their docstrings.
 autodoc_member_order = "bysource"
