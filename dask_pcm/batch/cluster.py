@@ -71,23 +71,18 @@ def close_client(client: Client) -> None:
         cluster.close()
 
 
-def tasks_by_worker(client: Client, contexts: list[str]) -> dict[tuple[str, str], int]:
-    """Context tasks served so far, per (worker, context)."""
-    table = pcm.status(client, contexts)
-    return {(r.worker, r.context): int(r.tasks) for r in table.itertuples()}
-
-
 def workers_report(
-    client: Client, contexts: list[str], before: dict[tuple[str, str], int]
+    client: Client, contexts: list[str], served: dict[str, int]
 ) -> list[dict[str, Any]]:
-    """Per worker and context: loads, load seconds and the tasks served since ``before``."""
+    """Per worker and context: loads, load seconds (one status read) and the run's tasks
+    that worker ran, ``served`` (every task of a run uses all of its contexts)."""
     return [
         {
             "worker": r.worker,
             "context": r.context,
             "loads": int(r.loads),
             "load_seconds": float(r.load_seconds),
-            "tasks": int(r.tasks) - before.get((r.worker, r.context), 0),
+            "tasks": served.get(r.worker, 0),
         }
         for r in pcm.status(client, contexts).itertuples()
     ]

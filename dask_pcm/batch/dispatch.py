@@ -130,6 +130,7 @@ class Dispatch:
         self.tasks = 0  # submitted, resubmissions included
         self.lost_rows = 0  # rows recorded as errors because they killed their workers
         self.failed_units = 0  # units whose function raised, or that timed out
+        self.served: dict[str, int] = {}  # tasks whose results came back, per worker
         self._waves = 0
         self._threads = 1
         self._threads_at = -_THREADS_EVERY
@@ -256,6 +257,9 @@ class Dispatch:
         for future, result in zip(finished, results, strict=True):
             task = self._running.pop(future)
             self._learn(result["seconds"], len(task.pieces))
+            worker = result.get("worker")
+            if worker:
+                self.served[worker] = self.served.get(worker, 0) + 1
             for piece, (name, table) in zip(task.pieces, result["units"], strict=True):
                 if table is None:
                     self._unit_failed(piece.unit, result["errors"][name])

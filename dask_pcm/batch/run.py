@@ -289,12 +289,11 @@ def _compute(
         _register(client, declared, level)
         if prepare is not None:
             prepare(client, todo)
-        before = clusters.tasks_by_worker(client, names)
         dispatch = Dispatch(
             client, todo, work, sink.finished, sink.failed, bar.update, on_tick=sink.tick
         )
         dispatch.run()
-        report = clusters.workers_report(client, names, before)
+        report = clusters.workers_report(client, names, dispatch.served)
     finally:
         bar.close()
         try:
@@ -332,9 +331,9 @@ def _register(client: Client, declared: dict[str, Context | None], level: str) -
                 f"{getattr(client.scheduler, 'address', 'the cluster')}: pass Context objects, "
                 "or register them first"
             )
-    for context in declared.values():
-        if context is not None:
-            pcm.register(client, context, level=level)
+    contexts = [c for c in declared.values() if c is not None]
+    if contexts:
+        pcm.register(client, *contexts, level=level)
 
 
 def record(

@@ -102,8 +102,9 @@ def run_units(
 
     Returns ``units``: (name, Arrow table) per unit, or (name, ``None``) for a unit whose call
     raised, with what it raised in ``errors`` (name -> type, message, traceback, worker);
-    and ``seconds``, the time the calls took (the dispatch sizes its tasks by it). One unit's
-    exception does not cost the others of the task.
+    ``seconds``, the time the calls took (the dispatch sizes its tasks by it); and
+    ``worker``, the address of the worker that ran it (the run's report counts tasks per
+    worker by it). One unit's exception does not cost the others of the task.
     """
     start = time.perf_counter()
     out: list[tuple[str, pa.Table | None]] = []
@@ -122,7 +123,12 @@ def run_units(
             out.append((name, None))
             continue
         out.append((name, table))
-    return {"units": out, "errors": errors, "seconds": time.perf_counter() - start}
+    return {
+        "units": out,
+        "errors": errors,
+        "seconds": time.perf_counter() - start,
+        "worker": _worker_address(),
+    }
 
 
 def output_table(result: Any, keys: list[dict[str, Any]], name: str) -> pa.Table:

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 import dask_pcm
+from dask_pcm import client as client_module
 from dask_pcm.batch.segments import read_footer
 from dask_pcm.fever import LABELS
 from dask_pcm.fever.run import CONTEXT, run_fever
@@ -40,6 +41,22 @@ def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_
     again = run_fever(model=tiny_model_dir, cluster=client, num_templates=1, progress=False)
     assert all(w["loads"] == 1 for w in again.report["workers"])
     assert dask_pcm.registered_contexts(client) == [CONTEXT]
+
+
+def test_a_run_reads_context_status_from_the_scheduler_once(client, tiny_model_dir, monkeypatch):
+    reads = []
+    status = client_module.status
+
+    def counted(*args, **kwargs):
+        reads.append(args[1:])
+        return status(*args, **kwargs)
+
+    monkeypatch.setattr(client_module, "status", counted)
+    result = run_fever(model=tiny_model_dir, cluster=client, num_templates=1, progress=False)
+    assert reads == [([CONTEXT],)]  # the workers' report, at the end
+    # register() answered with the contexts' rows: none was read to wait for them.
+    assert [w["loads"] for w in result.report["workers"]] == [1, 1]
+    assert sum(w["tasks"] for w in result.report["workers"]) == result.report["tasks"]
 
 
 def test_prefix_states_change_nothing_but_the_work_and_show_in_status(client, tiny_model_dir):
