@@ -1,6 +1,6 @@
 """The worker side of dask_pcm: the plugin that materialises a context on every worker,
-the levels as strategies, the template on local disk, the memory budget (see
-:mod:`.plugin`)."""
+the context's state machine (:mod:`.lifecycle`), the levels as a table of flags, the
+template on local disk, the memory budget (see :mod:`.plugin`)."""
 
 from __future__ import annotations
 
