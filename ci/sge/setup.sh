@@ -106,11 +106,15 @@ qstat >/dev/null || fail "the qmaster does not answer qstat"
 edit=$(mktemp -d)
 trap 'rm -rf "$edit"' EXIT
 # qconf -m* runs $EDITOR on a temporary file: these editors are sed scripts.
-printf '#!/bin/sh\nsed -i -e "s/^min_uid .*/min_uid 0/" -e "s/^min_gid .*/min_gid 0/" "$1"\n' >"$edit/global"
+printf '#!/bin/sh\nsed -i -e "s/^min_uid .*/min_uid 0/" -e "s/^min_gid .*/min_gid 0/" -e "s/^login_shells .*/login_shells sh,ksh,csh,tcsh/" "$1"\n' >"$edit/global"
 printf '#!/bin/sh\nsed -i -e "s/^schedule_interval .*/schedule_interval 0:0:1/" -e "s/^flush_submit_sec .*/flush_submit_sec 1/" -e "s/^flush_finish_sec .*/flush_finish_sec 1/" "$1"\n' >"$edit/scheduler"
 chmod +x "$edit/global" "$edit/scheduler"
-# Root may run jobs (CI runs as root; the default refuses uid < 1000).
-qconf -sconf global | grep -q '^min_uid *0$' || EDITOR="$edit/global" qconf -mconf global >/dev/null
+# Root may run jobs (CI runs as root; the default refuses uid < 1000). Job scripts run by a
+# plain, not a login, bash: a login shell reads the user's profile, and root's here runs
+# `pyenv init`, whose `pyenv rehash` waits 60 s for a lock that a job deleted in the middle
+# of it leaves behind (every later job then starts a minute late).
+qconf -sconf global | grep -q '^login_shells *sh,ksh,csh,tcsh$' && qconf -sconf global | grep -q '^min_uid *0$' \
+    || EDITOR="$edit/global" qconf -mconf global >/dev/null
 # Schedule within a second, not every 15 s.
 qconf -ssconf | grep -q '^schedule_interval *0:0:1$' || EDITOR="$edit/scheduler" qconf -msconf >/dev/null
 qconf -sh 2>/dev/null | grep -qx "$host" || qconf -ah "$host" >/dev/null

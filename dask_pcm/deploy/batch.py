@@ -264,7 +264,7 @@ def batch_cluster(
     try:
         cluster = cls(watch_interval=watch_interval, **options)
     except ValueError as exc:
-        if "cores" in str(exc) and "memory" in str(exc):
+        if "must specify how" in str(exc):  # dask-jobqueue: no cores or no memory
             raise ValueError(
                 f"{exc}\nSet them in the jobqueue.{kind} configuration (see the repository's "
                 f"jobqueue-templates/{kind}.yaml) or pass cores=..., memory=..."

@@ -110,6 +110,7 @@ class JobWatch:
 
     def __init__(self, *args: Any, watch_interval: str | float = "10s", **kwargs: Any) -> None:
         self._retired: set[str] = set()  # names of jobs that left: never given again
+        self._watch: PeriodicCallback | None = None  # a cluster that fails to start closes
         super().__init__(*args, **kwargs)
         self._ever_connected: set[str] = set()
         self.failed_starts = 0
@@ -123,7 +124,8 @@ class JobWatch:
         self.loop.add_callback(self._watch.start)
 
     async def _close(self) -> None:
-        self._watch.stop()
+        if self._watch is not None:
+            self._watch.stop()
         await super()._close()  # type: ignore[misc]
 
     # -- the watchdog ----------------------------------------------------------------------

@@ -123,6 +123,19 @@ def test_a_config_name_section_reaches_the_job_script():
     assert "#$ -l gpu=1" in script and "--resources GPU=1" in script
 
 
+@pytest.mark.parametrize("kind", ["sge", "slurm", "htcondor"])
+def test_a_cluster_that_cannot_start_says_why(kind):
+    """A scheduler that cannot start (an interface the host lacks) gives distributed's
+    message; closing the half-built cluster used to raise AttributeError ('_watch') over
+    it (found by dask-jobqueue's own tests, tests/deploy/test_jobqueue_suite.py)."""
+    disk = {"disk": "1GB"} if kind == "htcondor" else {}
+    with pytest.raises(RuntimeError, match="not a valid network interface") as raised:
+        batch_cluster(
+            kind, **disk, cores=1, memory="1GB", scheduler_options={"interface": "nic-pcm-x"}
+        )
+    assert "_watch" not in str(raised.value)
+
+
 def test_queue_listings_are_parsed():
     qstat = """job-ID  prior   name       user  state submit/start at     queue  slots ja-task-ID
 -----------------------------------------------------------------------------------------
