@@ -15,9 +15,9 @@ The tests marked ``asyncio`` run on a fresh event loop each (pytest-asyncio is n
 from __future__ import annotations
 
 import asyncio
-import os
 import copy
 import inspect
+import os
 from typing import Any
 
 import dask
@@ -123,12 +123,12 @@ def _with_disk(cls: Any) -> Any:
 @pytest.fixture(
     params=[pytest.param(cls, marks=[pytest.mark.env(env)]) for env, cls in ENVIRONMENTS.items()]
 )
-def EnvSpecificCluster(request: pytest.FixtureRequest) -> Any:  # noqa: N802 (upstream's name)
+def EnvSpecificCluster(request: pytest.FixtureRequest) -> Any:
     """The class of the batch system under ``-E`` (LocalCluster without one)."""
     return _with_disk(request.param)
 
 
 @pytest.fixture(params=list(ENVIRONMENTS.values()))
-def Cluster(request: pytest.FixtureRequest) -> Any:  # noqa: N802 (upstream's name)
+def Cluster(request: pytest.FixtureRequest) -> Any:
     """Every cluster class in turn, for tests that need no real batch system."""
     return _with_disk(request.param)

@@ -42,19 +42,10 @@ def _suite(tmp_path: Path) -> Path:
     suite = tmp_path / "dask_jobqueue_tests"
     shutil.copytree(source, suite, ignore=shutil.ignore_patterns("__pycache__"))
     # A self-signed key and certificate (its own CA), as the security tests expect beside them.
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
-        + [
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            str(suite / "key.pem"),
-            "-out",
-            str(suite / "ca.pem"),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    key, certificate = str(suite / "key.pem"), str(suite / "ca.pem")
+    command = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+    command += ["-subj", "/CN=localhost", "-keyout", key, "-out", certificate]
+    subprocess.run(command, check=True, capture_output=True)
     return suite
 
 
