@@ -210,18 +210,36 @@ def limit_losses(scheduler: Scheduler, keys: list[Any]) -> None:
 
 
 class QuietLosses(logging.Filter):
-    """Lowers to DEBUG distributed's ERROR "Task ... marked as failed because N workers
-    died" for tasks annotated with :data:`~dask_pcm.protocol.LOSSES_ANNOTATION`: for them a
-    worker lost to preemption is expected (the count is the preset, not N deaths), and the
-    client that submitted them logs one line and runs their rows again."""
+    """Lowers distributed's ERRORs about the batch layer's tasks (keys starting
+    :data:`~dask_pcm.protocol.SPLITTABLE_PREFIX`) that a worker lost to preemption causes:
+
+    - "Task ... marked as failed because N workers died" to DEBUG: the count is the preset
+      of :data:`~dask_pcm.protocol.LOSSES_ANNOTATION`, not N deaths, and the client that
+      submitted the task logs one line and runs its rows again;
+    - "Couldn't gather keys" (the worker holding a result left before the client fetched it)
+      to WARNING: the scheduler computes the result again and the client receives it then.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR and "workers died while trying" in str(record.msg):
-            key = record.args[0] if isinstance(record.args, tuple) and record.args else ""
-            if str(key).startswith(protocol.SPLITTABLE_PREFIX):
-                record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-                return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        if record.levelno < logging.ERROR or not record.args:
+            return True
+        # logging keeps a lone mapping argument as the args themselves
+        args = record.args
+        text, first = str(record.msg), args[0] if isinstance(args, tuple) else args
+        if "workers died while trying" in text and _ours(first):
+            return _lower(record, logging.DEBUG)
+        if "Couldn't gather keys" in text and isinstance(first, dict) and all(map(_ours, first)):
+            return _lower(record, logging.WARNING)
         return True
+
+
+def _ours(key: object) -> bool:
+    return str(key).startswith(protocol.SPLITTABLE_PREFIX)
+
+
+def _lower(record: logging.LogRecord, level: int) -> bool:
+    record.levelno, record.levelname = level, logging.getLevelName(level)
+    return logging.getLogger(record.name).isEnabledFor(level)
 
 
 def get_plugin(scheduler: Scheduler) -> ContextScheduler:

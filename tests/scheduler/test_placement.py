@@ -377,3 +377,11 @@ def test_losses_of_splittable_tasks_do_not_log_errors_on_the_scheduler():
     ours, theirs = record("pcm-direct--00001-x4-abcd"), record("inc-123")
     assert quiet.filter(ours) is False and ours.levelno == logging.DEBUG
     assert quiet.filter(theirs) is True and theirs.levelno == logging.ERROR
+    # A result whose worker left before the client fetched it: computed again, a warning.
+    gather = "Couldn't gather keys: %s"
+    lost = logging.LogRecord("distributed.scheduler", logging.ERROR, __file__, 1, gather,
+                             ({"pcm-direct--00120-x3-5ffd": "processing"},), None)  # fmt: skip
+    other = logging.LogRecord("distributed.scheduler", logging.ERROR, __file__, 1, gather,
+                              ({"pcm-a-1": "memory", "inc-1": "memory"},), None)  # fmt: skip
+    assert quiet.filter(lost) is True and lost.levelname == "WARNING"
+    assert quiet.filter(other) is True and other.levelno == logging.ERROR
