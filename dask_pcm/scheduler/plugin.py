@@ -174,7 +174,7 @@ class ContextScheduler(SchedulerPlugin):
             return  # from the plugin a later registration replaced
         if self.states.report(worker, context, state, seq, info):
             self.steering.refresh([context], stimulus_id=f"pcm-{state}-{time.time()}")
-            self.readiness.changed()
+        self.readiness.changed()
 
     def keep_workers(self, names: list[Any]) -> list[Any]:
         """RPC handler: of the workers named ``names`` (to be retired), those to keep

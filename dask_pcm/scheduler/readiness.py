@@ -79,11 +79,32 @@ class Readiness:
 
     # -- the wait ----------------------------------------------------------------------------
     def changed(self) -> None:
-        """A context's state changed, a worker left or a context went: wake the waiters
+        """A worker reported a context, a worker left or a context went: wake the waiters
         now satisfied."""
         for event, satisfied in list(self._waiters.items()):
             if satisfied():
                 event.set()
+
+    async def until(self, satisfied: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Wait until ``satisfied()`` holds, checked now and at every change :meth:`changed`
+        hears of; whether it held within ``timeout`` seconds (``None``: no limit).
+
+        Example
+        -------
+        >>> await plugin.readiness.until(lambda: "llm" in plugin.states.levels, 10)  # doctest: +SKIP
+        True
+        """
+        if satisfied():
+            return True
+        event = asyncio.Event()
+        self._waiters[event] = satisfied
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return satisfied()
+        finally:
+            del self._waiters[event]
+        return True
 
     def _unsettled(self, names: list[str], workers: set[str]) -> dict[tuple[str, str], str]:
         """(context, worker) -> state, for the declared ``names`` not settled on the
@@ -112,20 +133,9 @@ class Readiness:
             now) and ``rows`` (the contexts' status rows, as :func:`dask_pcm.status`).
         """
         workers = set(self.scheduler.workers)
-        event = asyncio.Event()
-
-        def satisfied() -> bool:
-            return not self._unsettled(names, workers)
-
         late: dict[tuple[str, str], str] = {}
-        if not satisfied():
-            self._waiters[event] = satisfied
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except TimeoutError:
-                late = self._unsettled(names, workers)
-            finally:
-                del self._waiters[event]
+        if not await self.until(lambda: not self._unsettled(names, workers), timeout):
+            late = self._unsettled(names, workers)
         present = sorted(workers & set(self.scheduler.workers))
         failures = self._failures(names, present, late, timeout)
         unregistered = [

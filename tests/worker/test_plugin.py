@@ -1,5 +1,10 @@
 """The two plugins on an in-process cluster (distributed's gen_cluster): what a worker
-reports is what the scheduler shows, joining workers, failures, and a clean uninstall."""
+reports is what the scheduler shows, joining workers, failures, and a clean uninstall.
+
+Tests wait on events, never for a fixed time: for what the scheduler knows of a context, on
+the scheduler plugin's readiness waiter (woken by every report); for a task, on its result
+or on an event the task sets.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import asyncio
 import time
 
 import pytest
-from distributed import Worker
+from distributed import Worker, get_worker
 from distributed.utils_test import gen_cluster
 
 from dask_pcm import protocol
@@ -39,11 +44,9 @@ async def _install(c, s, loader) -> None:
     await c.register_plugin(plugin, name=plugin_name("ctx"))
 
 
-async def _until(condition, seconds: float = 10) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+async def _until(s, condition, seconds: float = 10) -> None:
+    """Wait until ``condition()``, checked at every report the scheduler plugin receives."""
+    assert await get_plugin(s).readiness.until(condition, seconds), "condition not met in time"
 
 
 def _state(s, worker: str) -> str | None:
@@ -55,7 +58,7 @@ def _state(s, worker: str) -> str | None:
 async def test_a_joining_worker_reports_its_record_which_the_scheduler_shows(c, s):
     await _install(c, s, _small)
     async with Worker(s.address, nthreads=1) as w:
-        await _until(lambda: _state(s, w.address) == protocol.READY)
+        await _until(s, lambda: _state(s, w.address) == protocol.READY)
         (row,) = get_plugin(s).rows()
         record = context_plugins(w)["ctx"].record
         assert list(row) == list(protocol.COLUMNS)  # one schema, in order
@@ -63,14 +66,15 @@ async def test_a_joining_worker_reports_its_record_which_the_scheduler_shows(c, 
         assert reported == record.report()
         assert (row["loads"], row["location"]) == (1, "nowhere")
         assert await c.submit(ContextTask(_uses, "ctx"), 1) == 2
-        await _until(lambda: get_plugin(s).rows()[0]["tasks"] == 1)  # counted on the scheduler
+        # Counted on the scheduler, as the task's result arrived there.
+        assert get_plugin(s).rows()[0]["tasks"] == 1
 
 
 @gen_cluster(client=True, nthreads=[])
 async def test_a_joining_worker_that_fails_is_reported_and_its_tasks_err(c, s):
     await _install(c, s, _broken)
     async with Worker(s.address, nthreads=1) as w:
-        await _until(lambda: _state(s, w.address) == protocol.FAILED)
+        await _until(s, lambda: _state(s, w.address) == protocol.FAILED)
         (row,) = get_plugin(s).rows()
         assert "CUDA out of memory while loading nowhere" in row["error"]
         with pytest.raises(ContextLoadError, match="failed on every worker"):
@@ -84,6 +88,7 @@ async def test_the_scheduler_plugin_removes_every_handler_it_added(c, s, a):
         protocol.CHUNK_PLAN_OP,
         protocol.CHUNK_HAVE_OP,
         protocol.KEEP_WORKERS_OP,
+        protocol.SETTLE_OP,
     ]
     assert all(op in s.handlers for op in ops) and protocol.STATE_OP in s.stream_handlers
     await get_plugin(s).close()  # what the scheduler calls as it closes
@@ -117,12 +122,12 @@ def _runs_out_of_memory(x: int) -> int:
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_status_shows_dtype_warning_and_a_batch_size_that_shrank(c, s, a):
     await _install(c, s, _on_gpu)
-    await _until(lambda: _state(s, a.address) == protocol.READY)
+    await _until(s, lambda: _state(s, a.address) == protocol.READY)
     (row,) = get_plugin(s).rows()
     assert (row["dtype"], row["batch_size"]) == ("float16", 64)
     assert "compute capability 6.1" in row["warning"]
     assert await c.submit(ContextTask(_runs_out_of_memory, "ctx"), 1) == 32
-    await _until(lambda: get_plugin(s).rows()[0]["batch_size"] == 32)
+    await _until(s, lambda: get_plugin(s).rows()[0]["batch_size"] == 32)
 
 
 RELEASED: list[str] = []
@@ -137,21 +142,27 @@ class _Releasing:
         RELEASED.append("released")
 
 
+# Set (on the worker's event loop, which gen_cluster shares) once a task holds the context.
+HOLDING: list[asyncio.Event] = []
+
+
 def _uses_it_for(seconds: float) -> bool:
-    """Hold the context for a while; whether it was freed under this task."""
+    """Hold the context for a while (the task's work); whether it was freed under it."""
     from dask_pcm.tasks import get_context
 
     context = get_context("ctx")
+    get_worker().loop.add_callback(HOLDING[0].set)
     time.sleep(seconds)
     return context["released"]
 
 
 async def _running_with_the_context(c, s, a, seconds: float):
     RELEASED.clear()
+    HOLDING[:] = [asyncio.Event()]
     await _install(c, s, _Releasing())
     future = c.submit(ContextTask(_uses_it_for, "ctx"), seconds, pure=False)
-    plugin = context_plugins(a)["ctx"]
-    await _until(lambda: plugin.holder.active == 1)
+    await asyncio.wait_for(HOLDING[0].wait(), 10)
+    assert context_plugins(a)["ctx"].holder.active == 1
     return future
 
 
@@ -170,4 +181,4 @@ async def test_a_task_outlasting_the_release_timeout_frees_the_context_itself(c,
     await c.unregister_worker_plugin(plugin_name("ctx"))
     assert RELEASED == []  # unregister gave up waiting; the task still uses the context
     assert await future is False
-    await _until(lambda: RELEASED == ["released"])  # freed when the task finished
+    assert RELEASED == ["released"]  # freed by the task as it let the context go
