@@ -61,7 +61,7 @@ def _run(tmp_path: Path, *options: str) -> subprocess.CompletedProcess[str]:
     deselect = [f"--deselect={suite.name}/{test}" for test in sorted(NOT_HERE)]
     command = [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tmp_path)]
     command += ["-p", "tests.deploy.jobqueue_suite", "-p", "no:cacheprovider", "-q", "-rfE"]
-    command += ["--timeout", "240", "-W", "ignore", *deselect, *options, suite.name]
+    command += ["--timeout", "240", *deselect, *options, suite.name]
     return subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200
     )
