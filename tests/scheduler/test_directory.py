@@ -81,7 +81,7 @@ def test_a_waiting_plan_returns_as_soon_as_a_chunk_is_held():
         loop = asyncio.get_running_loop()
         start = loop.time()
         waiting = asyncio.ensure_future(directory.plan_waiting("d", "c", [0, 1], 1, wait=30))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0)  # one turn of the loop: the plan runs up to its wait
         assert not waiting.done()  # every chunk c wants is being read by someone else
         directory.have("d", "a", [1])
         answer = await asyncio.wait_for(waiting, 5)

@@ -3,22 +3,30 @@
 Workers run in this process (``processes=False``), so a module-level gate controls what a
 worker's loader does when it joins: load at once, block until the test opens the gate, or
 fail with a message the test then expects in the task's error.
+
+Tests wait on the scheduler, never for a fixed time: for a context's state, on the scheduler
+plugin's readiness waiter (woken by every report); for task states, on :class:`TaskStates`, a
+scheduler plugin of the tests woken by every transition. What must *not* happen is read from
+the scheduler's record of transitions afterwards, not watched for a while.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, LocalCluster, SchedulerPlugin, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError
+from dask_pcm.scheduler import get_plugin
 
 GATE = threading.Event()
 MODE = {"block": False, "fail": False}
@@ -57,6 +65,20 @@ def where(x: int = 0, delay: float = 0.0) -> str:
     return get_worker().address
 
 
+class TaskStates(SchedulerPlugin):
+    """The tests' eyes on the scheduler: waiters woken whenever a task changes state."""
+
+    name = "test-task-states"
+
+    def __init__(self) -> None:
+        self.waiters: dict[asyncio.Event, Any] = {}
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        for event, satisfied in list(self.waiters.items()):
+            if satisfied():
+                event.set()
+
+
 @pytest.fixture
 def one_worker() -> Iterator[tuple[LocalCluster, Client]]:
     GATE.clear()
@@ -67,6 +89,7 @@ def one_worker() -> Iterator[tuple[LocalCluster, Client]]:
         ) as cluster,
         Client(cluster) as client,
     ):
+        client.register_plugin(TaskStates())
         yield cluster, client
     GATE.set()  # never leave a loader thread blocked
 
@@ -89,27 +112,52 @@ def _state(client: Client, context: str, worker: str) -> str | None:
     return None if rows.empty else str(rows["state"].iloc[0])
 
 
+async def _context_reaches(context: str, worker: str, state: str, dask_scheduler=None) -> Any:
+    plugin = get_plugin(dask_scheduler)
+
+    def now() -> str | None:
+        return next((r["state"] for r in plugin.rows([context]) if r["worker"] == worker), None)
+
+    await plugin.readiness.until(lambda: now() == state, 20)
+    return now()
+
+
 def _wait_state(client: Client, context: str, worker: str, state: str) -> None:
-    deadline = time.monotonic() + 20
-    while (now := _state(client, context, worker)) != state:
-        assert time.monotonic() < deadline, f"{worker} stayed {now}, expected {state}"
-        time.sleep(0.05)
+    now = client.run_on_scheduler(_context_reaches, context, worker, state)
+    assert now == state, f"{worker} stayed {now}, expected {state}"
 
 
-def _wait_task_states(client: Client, futures: list, expected: set[str]) -> None:
-    deadline = time.monotonic() + 20
-    while (now := _task_states(client, futures)) != expected:
-        assert time.monotonic() < deadline, f"tasks stayed {now}, expected {expected}"
-        time.sleep(0.05)
+async def _tasks_reach(keys: list, allowed: set[str], dask_scheduler=None) -> set[str]:
+    """Wait until every task of ``keys`` is in one of the ``allowed`` states; their states."""
+    watch = dask_scheduler.plugins[TaskStates.name]
 
-
-def _task_states(client: Client, futures: list) -> set[str]:
-    keys = [f.key for f in futures]
-
-    def states(dask_scheduler=None):
+    def now() -> set[str]:
         return {dask_scheduler.tasks[k].state for k in keys if k in dask_scheduler.tasks}
 
-    return client.run_on_scheduler(states)
+    def reached() -> bool:
+        return all(k in dask_scheduler.tasks for k in keys) and now() <= allowed
+
+    if not reached():
+        event = asyncio.Event()
+        watch.waiters[event] = reached
+        try:
+            await asyncio.wait_for(event.wait(), 20)
+        except TimeoutError:
+            pass
+        finally:
+            del watch.waiters[event]
+    return now()
+
+
+def _wait_task_states(client: Client, futures: list, allowed: set[str]) -> None:
+    """Wait until every task of ``futures`` is in one of the ``allowed`` states."""
+    now = client.run_on_scheduler(_tasks_reach, [f.key for f in futures], allowed)
+    assert now <= allowed, f"tasks stayed {now}, expected {allowed}"
+
+
+def _into_processing(key: Any, dask_scheduler=None) -> list[tuple[str, str]]:
+    """(state it came from, stimulus) of each time the task ``key`` went to a worker."""
+    return [(t[1], t[4]) for t in dask_scheduler.story(key) if t[0] == key and t[2] == "processing"]
 
 
 def _ready_then_join(cluster: LocalCluster, client: Client, mode: str) -> tuple[str, str]:
@@ -125,11 +173,8 @@ def _ready_then_join(cluster: LocalCluster, client: Client, mode: str) -> tuple[
 def _only_a_loading_worker(cluster: LocalCluster, client: Client) -> str:
     """Register on one worker, add a second that blocks loading, retire the first."""
     first, second = _ready_then_join(cluster, client, "block")
-    client.retire_workers([first], close_workers=True)
-    deadline = time.monotonic() + 20
-    while first in _workers(client):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    client.retire_workers([first], close_workers=True)  # returns once it is gone
+    assert _workers(client) == {second}
     return second
 
 
@@ -193,10 +238,7 @@ def test_stolen_tasks_land_only_on_ready_workers(one_worker, two_loads_at_once):
 
     # All of these are placed on the only ready worker...
     futures = dask_pcm.map(client, where, range(40), context="gated", delay=0.1, pure=False)
-    deadline = time.monotonic() + 20
-    while not _task_states(client, futures) <= {"processing", "memory"}:  # all on the first
-        assert time.monotonic() < deadline, _task_states(client, futures)
-        time.sleep(0.05)
+    _wait_task_states(client, futures, {"processing", "memory"})  # all on the first
     MODE["fail"] = False
     GATE.set()  # ...then the second becomes ready: work stealing moves some there.
     ran_on = client.gather(futures)
@@ -235,11 +277,13 @@ def test_allow_other_workers_runs_on_a_worker_still_loading(one_worker):
     loose = dask_pcm.submit(client, where, 2, context="gated", allow_other_workers=True)
     _wait_task_states(client, [strict], {"no-worker"})
     _wait_task_states(client, [loose], {"processing"})  # waits on the worker instead
-    time.sleep(0.2)  # observe a while: a wrong placement would happen now
-    assert _task_states(client, [strict]) == {"no-worker"}  # and stays there
     GATE.set()
     assert loose.result(timeout=10) == worker
     assert strict.result(timeout=10) == worker
+    # The strict task went to the worker once only, from no-worker, when the worker's
+    # "ready" report reached the scheduler (the stimulus of the plugin's refresh), not before.
+    ((came_from, stimulus),) = client.run_on_scheduler(_into_processing, strict.key)
+    assert came_from == "no-worker" and stimulus.startswith("pcm-ready-"), stimulus
 
 
 def _summary(dask_scheduler=None) -> dict:
