@@ -21,7 +21,7 @@ Run it from the repository root on a machine with a GPU::
 
     python tools/gpu_smoke.py --json gpu-smoke.json
 
-``--allow-cpu`` runs it without a GPU, to test the script itself (``tests/test_gpu_smoke.py``):
+``--allow-cpu`` runs it without a GPU, to test the script itself (``tests/benchmarks/test_gpu_smoke.py``):
 the checks that need CUDA say ``SKIP (no GPU)`` and check 5 runs on two CPU workers.
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "tools" / "gpu_smoke.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.py"
 CHECKS = {"weights", "logits", "peak-memory", "release", "fever", "oversized-batch"}
 
 

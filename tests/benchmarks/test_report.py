@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-REPORT = Path(__file__).resolve().parent.parent / "benchmarks" / "report.py"
+REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "report.py"
 # The benchmark scripts import each other as top-level modules (``_protocol``, ``preemption``).
 sys.path.insert(0, str(REPORT.parent))
 
