@@ -50,10 +50,28 @@ class Preemptor(threading.Thread):
         self.rng = random.Random(seed)
         self.done: list[tuple[float, str, str]] = []
         self.stop = threading.Event()
+        self.rows: dict[str, dict] = {}  # the last status row seen of every worker
+        self.error: BaseException | None = None
+
+    def _watch(self, seconds: float) -> bool:
+        """Record every worker's status row each second for ``seconds``; True once stopped."""
+        deadline = time.monotonic() + seconds
+        while not self.stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            for row in dask_pcm.status(self.client).to_dict("records"):
+                self.rows[row["worker"]] = row
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def run(self) -> None:
+        try:
+            self._preempt()
+        except BaseException as exc:  # reported by main
+            self.error = exc
+
+    def _preempt(self) -> None:
         start = time.monotonic()
-        while not self.stop.wait(self.rng.uniform(8, 20)):
+        while not self._watch(self.rng.uniform(8, 20)):
             workers = self.client.scheduler_info()["workers"]
             if len(workers) < 2:
                 continue  # keep one worker holding the template for the joiners
@@ -93,6 +111,7 @@ def main() -> None:
         )  # fmt: skip
         with cluster, Client(cluster) as client:
             client.wait_for_workers(args.jobs, timeout=300)
+            first = set(client.scheduler_info()["workers"])
             preemptor = Preemptor(cluster, client, args.seed)
             start = time.monotonic()
             preemptor.start()
@@ -120,8 +139,15 @@ def main() -> None:
     )
     submitted = len(list((folder / "logs").glob("*.err")))  # one per job that started
     print(f"jobs started in all: {submitted} ({args.jobs} at first, {submitted - args.jobs} after)")
+    joiners = [r for w, r in preemptor.rows.items() if w not in first and r["template_held"]]
+    from_source = sum(r["bytes_from_source"] for r in joiners)
+    print(f"replacements holding the template: {len(joiners)}, bytes read from the source: "
+          f"{from_source} (a peer always held it)")  # fmt: skip
     ok = once and len(rows) == units and replaced == lost == submitted - args.jobs
+    ok = ok and preemptor.error is None and bool(joiners) and from_source == 0
     print("OK" if ok else "FAILED")
+    if preemptor.error is not None:
+        print(f"the preemptor failed: {preemptor.error!r}")
     raise SystemExit(0 if ok else 1)
 
 

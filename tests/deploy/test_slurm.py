@@ -5,6 +5,7 @@ on worker jobs. Marked ``slurm``: skipped without SLURM unless PCM_REQUIRE_SLURM
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,8 @@ def slurm() -> None:
 
 
 def _slurm_cluster(tmp_path: Path, workers: int, **kwargs):
-    return one_host_batch_cluster(
-        "slurm", tmp_path, workers, memory="2GB", walltime="00:30:00", **kwargs
-    )
+    options = {"memory": "2GB", "walltime": "00:30:00", **kwargs}
+    return one_host_batch_cluster("slurm", tmp_path, workers, **options)
 
 
 def _our_jobs() -> list[str]:
@@ -127,3 +127,66 @@ def test_cli_runs_fever_on_slurm_jobs(tmp_path, tiny_model_dir):
     assert sum(w["tasks"] for w in report["workers"]) == 6
     # The run cancelled its jobs when it ended (completing ones may still be listed).
     wait_for(lambda: all(" COMPLETING" in j or not j for j in _our_jobs()), 30, "the jobs to end")
+
+
+@pytest.mark.soak  # 90 s: SLURM checks time limits every 30 s
+def test_a_job_reaching_its_signal_time_retires_gracefully(tmp_path, tiny_model_dir):
+    """A job whose time limit comes near gets ``--signal=B:USR2@<seconds>`` from SLURM itself
+    (checked every 30 s): its worker finishes what runs, hands its results and queued tasks
+    to another worker, and nothing runs twice. Two minutes of walltime, the warning 75 s
+    before the end: it comes 45-75 s after the job starts; the worker's own lifetime is an
+    hour, so only SLURM's warning can make it leave."""
+    log = tmp_path / "runs"
+    with (
+        _slurm_cluster(
+            tmp_path, workers=1, walltime="00:02:00", job_extra_directives=["--signal=B:USR2@75"],
+            worker_extra_args=["--lifetime", "1h"],
+        ) as cluster,
+        Client(cluster) as client,
+    ):  # fmt: skip
+        client.wait_for_workers(1, timeout=120)
+        (victim,) = client.scheduler_info()["workers"]
+        job = job_of(cluster, client, victim)
+        worker = [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address]
+        other = subprocess.Popen([*worker, "--nthreads", "1", "--name", "other", "--no-dashboard"])
+        try:
+            client.wait_for_workers(2, timeout=60)
+            held = [client.submit(noted_square, str(log), i, workers=[victim], pure=False)
+                    for i in range(2)]  # fmt: skip
+            client.gather(held)
+            # A queue of 1-second tasks on the victim that outlasts the warning's window.
+            queued = [
+                client.submit(noted_square, str(log), i, 1.0, workers=[victim],
+                              allow_other_workers=True, pure=False)
+                for i in range(10, 110)
+            ]  # fmt: skip
+            wait_for(lambda: victim not in client.scheduler_info()["workers"], 150,
+                     "the warned worker to leave")  # fmt: skip
+            assert client.gather(held) == [0, 1]  # moved, not recomputed
+            assert client.gather(queued) == [i * i for i in range(10, 110)]
+            ran = sorted(int(x) for x in log.read_text().split())
+            assert ran == [0, 1, *range(10, 110)]  # every task once
+            other_address = next(iter(client.scheduler_info()["workers"]))
+            assert client.who_has(held)[held[0].key] == (other_address,)
+        finally:
+            other.terminate()
+            other.wait(30)
+    err = (tmp_path / "logs" / f"dask-worker-{job}.err").read_text()
+    assert "USR2 received; asking the worker to hand its work back" in err
+
+
+@pytest.mark.soak
+def test_fever_run_under_random_cancellations_and_kills(tmp_path):
+    """tools/slurm_soak.py, smaller: a FEVER run of 300 units (one claim each) on 3 worker
+    jobs while every 8-20 s a job is ``scancel``led or its worker and nanny are killed: every
+    row once, one replacement job per job lost and no more, and every replacement copied
+    the template from a peer (none from the source)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / "slurm_soak.py"
+    command = [sys.executable, str(tool), "--jobs", "3", "--claims", "100", "--templates", "3"]
+    done = subprocess.run(
+        [*command, "--seed", "1"], capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "OK" in done.stdout.splitlines()[-1]
+    lost = int(done.stdout.split("jobs lost: ")[1].split()[0])
+    assert lost >= 2, done.stdout  # the run outlasted more than one preemption
