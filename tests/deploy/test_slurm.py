@@ -176,6 +176,7 @@ def test_a_job_reaching_its_signal_time_retires_gracefully(tmp_path, tiny_model_
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(900)
 def test_fever_run_under_random_cancellations_and_kills(tmp_path):
     """tools/slurm_soak.py, smaller: a FEVER run of 300 units (one claim each) on 3 worker
     jobs while every 8-20 s a job is ``scancel``led or its worker and nanny are killed: every
