@@ -24,13 +24,16 @@ from dask_pcm.loaders.generation import (
     completion,
     continuation_logprobs,
     continuation_start,
+    decode,
     eos_ids,
+    greedy,
     mean_hidden,
-    sample,
+    sampler,
     stop_position,
 )
 from dask_pcm.loaders.model import prompt_problem
-from dask_pcm.loaders.prefix import left_padded
+from dask_pcm.loaders.passes import in_passes, kept_prefix
+from dask_pcm.loaders.prefix import packable
 from dask_pcm.tasks import get_context
 
 if TYPE_CHECKING:
@@ -51,10 +54,13 @@ def generate(
 ) -> list[dict[str, Any]]:
     """Continue each row's prompt (or chat).
 
-    At ``temperature == 0`` decoding is greedy, rows in passes that fit the device, as
-    :meth:`dask_pcm.LanguageModel.generate`. Otherwise each row is sampled alone, from a
-    generator seeded by ``seed`` and the row's prompt text: the same text whatever unit or
-    pass the row lands in (and the same for identical prompts).
+    Rows run in passes that fit the device, as :meth:`dask_pcm.LanguageModel.generate`;
+    tokens the unit's prompts all start with run once and are kept, where the model keeps
+    prefixes (``prefix_cache``). At ``temperature == 0`` decoding is greedy. Otherwise each
+    row's tokens are drawn from its own generator, seeded by ``seed`` and the row's prompt
+    text: the same text whatever unit or pass the row lands in, prefix kept or not (its
+    logits change by float rounding only, which moves no draw but one within rounding of
+    the boundary between two tokens).
 
     Parameters
     ----------
@@ -101,27 +107,13 @@ def generate(
         ids = _encode(lm, texts, chats)
         _check(lm, [len(seq) for seq in ids], "generate", max_tokens)
         eos = eos_ids(lm.model, lm.tokenizer)
-        if temperature == 0:
-            generated = _greedy(lm, ids, max_tokens)
-        else:
+        found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
+        choose: Any = lambda index: greedy  # noqa: E731
+        if temperature > 0:
             base = secrets.randbits(63) if seed is None else seed
-            found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
-            generated = []
-            for text, row_ids in zip(texts, ids, strict=True):
-                gen = torch.Generator().manual_seed(_row_seed(base, text))
-                generated.append(
-                    sample(
-                        lm.model,
-                        row_ids,
-                        lm.device,
-                        max_tokens=max_tokens,
-                        temperature=temperature,
-                        top_p=top_p,
-                        generator=gen,
-                        eos=eos,
-                        stopped=found,
-                    )
-                )
+            gens = [torch.Generator().manual_seed(_row_seed(base, t)) for t in texts]
+            choose = lambda index: sampler([gens[i] for i in index], temperature, top_p)  # noqa: E731
+        generated = _decoded(lm, ids, max_tokens, eos, found, choose)
         return [
             completion(lm.tokenizer, tokens, eos, stops, len(row_ids))
             for tokens, row_ids in zip(generated, ids, strict=True)
@@ -312,14 +304,24 @@ def _check(lm: LanguageModel, lengths: list[int], method: str, new_tokens: int) 
             raise PromptTooLongError(f"row {i}: the prompt cannot run on {lm.source}: {problem}")
 
 
-def _in_passes(lm: LanguageModel, ids: list[list[int]], run: Any, method: str) -> list[Any]:
+def _in_passes(
+    lm: LanguageModel,
+    ids: list[list[int]],
+    run: Any,
+    method: str,
+    new_tokens: int = 0,
+    cached: int = 0,
+    packed: bool = False,
+) -> list[Any]:
     """``run`` over ``(index, ids)`` pairs, shortest first, in passes that fit (the model's own
-    pass sizing and out-of-memory halving); the results back in row order."""
+    pass sizing and out-of-memory halving; by their tokens where ``packed``); the results
+    back in row order."""
     if not ids:
         return []
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     items = [(i, ids[i]) for i in order]
-    parts = lm._batched(items, run, method, len(items[-1][1]))
+    sizes = [len(seq) for _, seq in items] if packed else None
+    parts = in_passes(lm, items, run, method, len(items[-1][1]), new_tokens, cached, sizes)
     out: list[Any] = [None] * len(ids)
     for part in parts:
         for i, value in part:
@@ -327,33 +329,37 @@ def _in_passes(lm: LanguageModel, ids: list[list[int]], run: Any, method: str) -
     return out
 
 
-def _greedy(lm: LanguageModel, ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _decoded(
+    lm: LanguageModel,
+    ids: list[list[int]],
+    max_tokens: int,
+    eos: set[int],
+    stopped: Any,
+    choose: Any,
+) -> list[list[int]]:
+    """Each row's generated tokens, picked by ``choose(row indices of a pass)``; after the
+    tokens the rows share, kept, where there are two rows or more (one prompt alone would
+    only fill the cache)."""
+    shared, states = kept_prefix(lm, ids, ids[0]) if len(ids) > 1 else (0, None)
     pad = int(lm.tokenizer.pad_token_id)
 
     def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-        input_ids, mask, _ = left_padded([seq for _, seq in chunk], pad)
-        out = lm.model.generate(
-            input_ids=input_ids.to(lm.device),
-            attention_mask=mask.to(lm.device),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=pad,
-        )
-        new = out[:, input_ids.shape[1] :].tolist()
-        return list(zip([i for i, _ in chunk], new, strict=True))
+        index = [i for i, _ in chunk]
+        tokens = decode(
+            lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens, eos=eos,
+            pick=choose(index), prefix=states, prefix_len=shared, stopped=stopped,
+        )  # fmt: skip
+        return list(zip(index, tokens, strict=True))
 
-    return _in_passes(lm, ids, run, "generate")
+    return _in_passes(lm, [seq[shared:] for seq in ids], run, "generate", max_tokens, shared)
 
 
 def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) -> list[float]:
     """The summed log-probability of each sequence's tokens from its start on."""
     if not seqs:
         return []
-    shared, states = 0, None
-    if lm.prefix_cache is not None:
-        # At most up to the token before the earliest choice: its logits are needed.
-        limit = seqs[0][: min(starts) - 1]
-        shared, states = lm.prefix_cache.states_for(seqs, limit, lm.model, lm.device)
+    # At most up to the token before the earliest choice: its logits are needed.
+    shared, states = kept_prefix(lm, seqs, seqs[0][: min(starts) - 1])
     pad = int(lm.tokenizer.pad_token_id)
     rest = [seq[shared:] for seq in seqs]
 
@@ -363,8 +369,8 @@ def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) 
         sums = continuation_logprobs(lm.model, rows, firsts, pad, lm.device, states, shared)
         return list(zip([i for i, _ in chunk], sums, strict=True))
 
-    # A cached prefix puts its keys and values in every pass, as generation does.
-    return _in_passes(lm, rest, run, "logits" if states is None else "generate")
+    packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
+    return _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
 
 
 def _choices_of(row: dict[str, Any], i: int, choices: str | Sequence[str]) -> list[str]:

@@ -97,8 +97,8 @@ def run_fever(
         the addresses of Dask's dashboard and of the contexts page on standard error.
     prefix_cache : bool
         Keep each template's text before the claim as key/value states on every worker
-        (``pcm.worker.prefix-cache``) and run only the claims' tokens (method ``logits``):
-        the same predictions, several times faster for long templates. ``False`` runs whole
+        (``pcm.worker.prefix-cache``) and run only the claims' tokens (either method): the
+        same predictions, several times faster for long templates. ``False`` runs whole
         prompts, for comparison. Not part of the output folder's provenance: either way the
         predictions are the same.
     batch_size : int, optional

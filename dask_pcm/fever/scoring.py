@@ -133,12 +133,23 @@ def parse_verdict(text: str, answers: Sequence[str]) -> str:
 
 
 def score_generate(
-    lm: Any, prompts: Sequence[str], answers: Sequence[str], max_new_tokens: int = GENERATE_TOKENS
+    lm: Any,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    max_new_tokens: int = GENERATE_TOKENS,
+    prefix: str | None = None,
 ) -> list[dict[str, Any]]:
     """Score a batch of ready prompts by generating a short answer and parsing it.
+
+    ``prefix``: text all ``prompts`` start with, whose key/value states the model keeps (see
+    :meth:`dask_pcm.LanguageModel.generate`): the same text, generated from the rest.
 
     Returns one dict per prompt: ``predicted`` (a label or :data:`UNPARSEABLE`) and
     ``generated`` (the text).
     """
-    texts = lm.generate(prompts, max_new_tokens=max_new_tokens)
+    texts = (
+        lm.generate(prompts, max_new_tokens=max_new_tokens)
+        if prefix is None
+        else lm.generate(prompts, max_new_tokens=max_new_tokens, prefix=prefix)
+    )
     return [{"predicted": parse_verdict(t, answers), "generated": t} for t in texts]

@@ -42,7 +42,8 @@ def score_unit(
     truncate: bool = False,
 ) -> list[dict[str, Any]]:
     """The task: score ``claims`` under ``template`` with the worker's resident model;
-    with ``prefix_cache`` the template's part before the claim is computed once per worker.
+    with ``prefix_cache`` the template's part before the claim is computed once per worker
+    (for either method).
 
     A prompt that cannot fit the model (:func:`~dask_pcm.loaders.model.prompt_problem`: its
     context, or the memory one pass may take) is not run: its row carries ``error`` (and no
@@ -64,11 +65,11 @@ def score_unit(
     scored_fine: list[dict[str, Any]] = []
     if fine:
         chosen = [prompts[i] for i in fine]
+        head = template_head(template, lm.tokenizer) if prefix_cache else None
         if method == "logits":
-            head = template_head(template, lm.tokenizer) if prefix_cache else None
             scored_fine = score_logits(lm, chosen, template.answers, prefix=head)
         else:
-            scored_fine = score_generate(lm, chosen, template.answers, new_tokens)
+            scored_fine = score_generate(lm, chosen, template.answers, new_tokens, prefix=head)
     scored: list[dict[str, Any]] = [{"predicted": None, "error": p} for p in problems]
     for i, row in zip(fine, scored_fine, strict=True):
         scored[i] = {**row, "error": None}

@@ -4,9 +4,12 @@ continuations, hidden states.
 
 - passes over rows padded on the left with positions that count real tokens only
   (:func:`dask_pcm.loaders.prefix.forward`), so a padded row computes what it would alone;
-- :func:`sample`: one prompt's continuation, drawn token by token from its own
-  ``torch.Generator`` (temperature and nucleus ``top_p``), so that what a row gets depends on
-  its seed alone, never on the rows around it.
+- :func:`decode`: continuations of a batch of prompts, token by token over the model's
+  key/value cache, optionally after kept prefix states (every row's prompt continues the
+  same cached tokens); each step's token per row chosen by :func:`greedy` or by a
+  :func:`sampler`, which draws each row's tokens from its own ``torch.Generator``
+  (temperature and nucleus ``top_p``), so that what a row gets depends on its seed and its
+  logits alone, never on the draws of the rows around it.
 - :func:`completion`: a generated row's result: its text cut at the end-of-sequence token or
   the first stop string, why it ended, its token counts.
 - :func:`continuation_start`: where a continuation's tokens begin when tokenized with its
@@ -25,6 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dask_pcm.loaders.prefix import States, cache_argument, forward, left_padded, to_device
+
+#: Chooses each row's next token from its logits (``[rows, vocab]``, float32, CPU).
+Pick = Callable[[Any], list[int]]
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -62,45 +68,90 @@ def next_token_probs(logits: Any, temperature: float, top_p: float) -> Any:
     return probs
 
 
-def sample(
+def greedy(logits: Any) -> list[int]:
+    """The most likely token of each row (the first of equals)."""
+    return [int(t) for t in logits.argmax(-1).tolist()]
+
+
+def sampler(generators: Sequence[Any], temperature: float, top_p: float) -> Pick:
+    """A :data:`Pick` that draws row ``i``'s token from ``generators[i]`` (a CPU
+    ``torch.Generator``) on :func:`next_token_probs`: the same seed gives the same tokens
+    wherever the row runs, for the same logits."""
+    import torch
+
+    def pick(logits: Any) -> list[int]:
+        return [
+            int(torch.multinomial(next_token_probs(row, temperature, top_p), 1, generator=g))
+            for row, g in zip(logits, generators, strict=True)
+        ]
+
+    return pick
+
+
+def decode(
     model: Any,
-    ids: Sequence[int],
+    rows: Sequence[Sequence[int]],
+    pad_id: int,
     device: str,
     *,
     max_tokens: int,
-    temperature: float,
-    top_p: float,
-    generator: Any,
     eos: set[int],
+    pick: Pick = greedy,
+    prefix: States | None = None,
+    prefix_len: int = 0,
     stopped: Callable[[list[int]], bool] | None = None,
-) -> list[int]:
-    """Tokens sampled after the prompt ``ids`` (run alone), up to ``max_tokens``, an ``eos``
-    token (kept) or the first token after which ``stopped(tokens)`` is true.
+) -> list[list[int]]:
+    """The tokens generated after each row (token ids after ``prefix_len`` cached tokens
+    whose states are ``prefix``), up to ``max_tokens``, an ``eos`` token (kept) or the
+    first token after which ``stopped(tokens)`` is true.
 
-    Each draw comes from ``generator`` (a CPU ``torch.Generator``) on float32 CPU
-    probabilities, so the same seed gives the same tokens wherever the row runs.
+    One pass over the rows padded on the left (from views of the kept states, so the
+    prefix is never run again), then one pass per token over the growing key/value cache.
+    A row's positions count its real tokens only, so it continues as it would alone; a
+    finished row is fed padding until every row has finished.
     """
     import torch
+    from transformers import DynamicCache
 
+    lengths = [len(r) for r in rows]
+    input_ids, mask, positions = left_padded(rows, pad_id, prefix_len)
+    batch = len(rows)
+    if prefix is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        # The first pass appends to a copy (torch.cat), never to the kept states.
+        views = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in prefix]
+        cache = DynamicCache(ddp_cache_data=views, config=model.config)
+    tokens: list[list[int]] = [[] for _ in rows]
+    done = [False] * batch
+    # The prompt's last column by index: the head gets a contiguous copy (see forward).
+    keep: Any = torch.tensor([input_ids.shape[1] - 1])
     argument = cache_argument(model)
-    tokens: list[int] = []
-    cache = None
-    step = torch.tensor([list(ids)], dtype=torch.long)
+    mask = to_device(mask, device)
     with torch.inference_mode():
-        while len(tokens) < max_tokens:
+        for step in range(max_tokens):
             out = model(
-                input_ids=to_device(step, device),
+                input_ids=to_device(input_ids, device),
+                attention_mask=mask,
+                position_ids=to_device(positions, device),
                 use_cache=True,
-                logits_to_keep=1,
-                **({} if cache is None else {argument: cache}),
+                logits_to_keep=to_device(keep, device),
+                **{argument: cache},
             )
             cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            probs = next_token_probs(out.logits[0, -1].float().cpu(), temperature, top_p)
-            token = int(torch.multinomial(probs, 1, generator=generator).item())
-            tokens.append(token)
-            if token in eos or (stopped is not None and stopped(tokens)):
+            chosen = pick(out.logits[:, -1, :].float().cpu())
+            for i, token in enumerate(chosen):
+                if done[i]:
+                    continue
+                tokens[i].append(token)
+                done[i] = token in eos or (stopped is not None and stopped(tokens[i]))
+            if all(done) or step + 1 == max_tokens:
                 break
-            step = torch.tensor([[token]], dtype=torch.long)
+            fed = [pad_id if done[i] else tokens[i][-1] for i in range(batch)]
+            input_ids = torch.tensor(fed, dtype=torch.long)[:, None]
+            positions = torch.tensor([prefix_len + n + step for n in lengths])[:, None]
+            mask = torch.cat([mask, mask.new_ones((batch, 1))], dim=1)
+            keep = torch.tensor([0])
     return tokens
 
 

@@ -173,14 +173,28 @@ def _auto_device(torch: Any) -> tuple[str, str | None]:
 
 
 def prompt_bytes(
-    config: Any, element: int, tokens: int, method: str = "logits", new_tokens: int = 0
+    config: Any,
+    element: int,
+    tokens: int,
+    method: str = "logits",
+    new_tokens: int = 0,
+    cached: int = 0,
 ) -> int:
     """Device memory one prompt of ``tokens`` tokens needs in one forward pass.
 
     ``method="logits"`` is one pass without a cache; ``"generate"`` adds the key/value cache
-    of every layer for the prompt and ``new_tokens``. Activations are those of one layer at a
-    time (the residual stream, the MLP's gate, up and activation, the attention scores), so
-    the estimate errs large for memory-efficient attention.
+    of every layer for the prompt and ``new_tokens``. ``cached``: tokens of a kept prefix
+    before the prompt, whose key/value states every sequence of the pass holds a copy of
+    (and its queries attend to). Activations are those of one layer at a time (the residual
+    stream, the MLP's gate, up and activation, the attention scores), so the estimate errs
+    large for memory-efficient attention.
+
+    Example
+    -------
+    >>> from types import SimpleNamespace
+    >>> config = SimpleNamespace(hidden_size=64, num_hidden_layers=2, vocab_size=100)
+    >>> prompt_bytes(config, 4, 10, "generate", 8, cached=90) - prompt_bytes(config, 4, 10)
+    114192
     """
     hidden = int(config.hidden_size)
     heads = int(getattr(config, "num_attention_heads", 0) or 1)
@@ -189,11 +203,13 @@ def prompt_bytes(
     layers = int(getattr(config, "num_hidden_layers", 0) or 1)
     inner = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     vocab = int(getattr(config, "vocab_size", 0) or 0)
-    activations = tokens * element * (4 * hidden + 3 * inner) + heads * tokens * tokens * element
+    keys = cached + tokens
+    activations = tokens * element * (4 * hidden + 3 * inner) + heads * tokens * keys * element
     logits = 2 * vocab * 4  # the last position's logits, and their float32 copy
     cache = 0
-    if method == "generate":
-        cache = 2 * layers * kv_heads * head_dim * (tokens + new_tokens) * element
+    if method == "generate" or cached:
+        keys += new_tokens if method == "generate" else 0
+        cache = 2 * layers * kv_heads * head_dim * keys * element
     return activations + logits + cache
 
 

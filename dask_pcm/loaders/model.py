@@ -7,24 +7,18 @@ tokenizer and model to one thread at a time. :class:`dask_pcm.loaders.llm.Causal
 from __future__ import annotations
 
 import logging
-import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dask_pcm.loaders.gpu import (
-    context_length,
-    free_cached_memory,
-    halved,
-    is_out_of_memory,
-    prompt_bytes,
-    rows_that_fit,
-)
+from dask_pcm.loaders.generation import decode, eos_ids
+from dask_pcm.loaders.gpu import context_length
 from dask_pcm.loaders.gpu import prompt_problem as gpu_prompt_problem
-from dask_pcm.loaders.prefix import PrefixCache, last_logits
+from dask_pcm.loaders.passes import by_length, rows_for
+from dask_pcm.loaders.prefix import PrefixCache, States, last_logits
 
 if TYPE_CHECKING:
     import torch
@@ -124,55 +118,13 @@ class LanguageModel:
         """Prompts per forward pass for ``prompts``: ``batch_size``, fewer where the memory
         budget does not hold that many of the longest prompt for ``method`` (``"logits"``, or
         ``"generate"`` with ``new_tokens``: a key/value cache in every pass)."""
-        return self._rows(self._longest(prompts), method, new_tokens)
+        return rows_for(self, self._longest(prompts), method, new_tokens)
 
     def _longest(self, prompts: list[str]) -> int:
         """Tokens of the longest prompt; 0 when no memory budget asks for it."""
         if self.memory_budget is None or not prompts:
             return 0
         return max(len(ids) for ids in self.tokenizer(prompts)["input_ids"])
-
-    def _rows(self, longest: int, method: str, new_tokens: int) -> int:
-        rows = max(1, int(self.batch_size))
-        if self.memory_budget is None:
-            return rows
-        element = next(self.model.parameters()).element_size()
-        need = prompt_bytes(self.model.config, element, longest, method, new_tokens)
-        return min(rows, rows_that_fit(self.memory_budget, need))
-
-    def _batched(
-        self,
-        items: list[Any],
-        run: Callable[[list[Any]], Any],
-        method: str,
-        longest: int,
-        new_tokens: int = 0,
-    ) -> list[Any]:
-        """``run`` over ``items`` (prompts of up to ``longest`` tokens) in passes that fit,
-        halving a pass that runs out of memory."""
-        parts: list[Any] = []
-        with self.lock:
-            rows = self._rows(longest, method, new_tokens)
-            done = 0
-            while done < len(items):
-                chunk = items[done : done + rows]
-                try:
-                    parts.append(run(chunk))
-                    done += len(chunk)
-                    continue
-                except Exception as exc:
-                    if not is_out_of_memory(exc):
-                        raise
-                    error = f"{type(exc).__name__}: {exc}"
-                # Out of the except block: the failed pass's tensors are unreachable now.
-                rows = self._halve(len(chunk), method, error)
-        return parts
-
-    def _halve(self, rows: int, method: str, error: str) -> int:
-        free_cached_memory(sys.modules.get("torch"))
-        smaller = halved(rows, f"{self.device} ({method}, model {self.source})", error)
-        self.batch_size = min(self.batch_size, smaller)
-        return smaller
 
     def next_token_logits(self, prompts: Sequence[str], prefix: str | None = None) -> torch.Tensor:
         """Logits of the token after each prompt.
@@ -209,44 +161,35 @@ class LanguageModel:
         prompts = list(prompts)
         if not prompts:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32)
-        with self.lock:
-            ids = self.tokenizer(prompts)["input_ids"]
-            start, states = 0, None
-            if prefix is not None and self.prefix_cache is not None:
-                limit = self.tokenizer(prefix)["input_ids"]
-                start, states = self.prefix_cache.states_for(ids, limit, self.model, self.device)
-            order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-            rows = [ids[i][start:] for i in order]
-            pad = int(self.tokenizer.pad_token_id)
+        pad = int(self.tokenizer.pad_token_id)
 
-            def run(chunk: list[list[int]]) -> torch.Tensor:
-                return last_logits(self.model, chunk, pad, self.device, states, start)
+        def run(chunk: list[list[int]], states: States | None, start: int) -> torch.Tensor:
+            return last_logits(self.model, chunk, pad, self.device, states, start)
 
-            # A cached prefix puts its keys and values in every pass, as generation does.
-            method = "logits" if states is None else "generate"
-            logits = torch.cat(self._batched(rows, run, method, start + len(rows[-1])))
-        out = torch.empty_like(logits)
-        out[torch.tensor(order)] = logits
-        return out
+        return torch.stack(by_length(self, prompts, prefix, run, "logits"))
 
     def complete(self, prompt: str, max_new_tokens: int = 8) -> str:
-        """Greedy continuation of ``prompt``: only the new text.
+        """Greedy continuation of ``prompt``: only the new text (:meth:`generate` of one).
 
         Example
         -------
         >>> lm.complete("The capital of France is", max_new_tokens=3)  # doctest: +SKIP
         ' Paris.'
         """
-        import torch
+        return self.generate([prompt], max_new_tokens)[0]
 
-        with self.lock, torch.inference_mode():
-            enc = self.tokenizer(prompt, return_tensors="pt").to(self.device)
-            out = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-            new_tokens = out[0, enc["input_ids"].shape[1] :]
-            return str(self.tokenizer.decode(new_tokens, skip_special_tokens=True))
+    def generate(
+        self, prompts: Sequence[str], max_new_tokens: int = 8, prefix: str | None = None
+    ) -> list[str]:
+        """Greedy continuations of a batch of prompts: only the new text.
 
-    def generate(self, prompts: Sequence[str], max_new_tokens: int = 8) -> list[str]:
-        """Greedy continuations of a batch of prompts (left-padded): only the new text.
+        Prompts of similar length share passes, each one pass over the prompts (padded on
+        the left) and one per new token over the key/value cache
+        (:func:`~dask_pcm.loaders.generation.decode`); a row ends at the end-of-sequence
+        token. ``prefix``: as for :meth:`next_token_logits`, text every prompt starts with,
+        whose tokens' states are kept: each pass runs only the rest of each prompt and the
+        new tokens, and generates the same tokens (but where two are equally likely to
+        float rounding).
 
         Example
         -------
@@ -258,27 +201,24 @@ class LanguageModel:
         prompts = list(prompts)
         if not prompts:
             return []
+        eos = eos_ids(self.model, self.tokenizer)
+        pad = int(self.tokenizer.pad_token_id)
 
-        def run(chunk: list[str]) -> list[str]:
-            return self._generate(chunk, max_new_tokens)
-
-        with self.lock:
-            parts = self._batched(prompts, run, "generate", self._longest(prompts), max_new_tokens)
-        return [t for part in parts for t in part]
-
-    def _generate(self, prompts: list[str], max_new_tokens: int) -> list[str]:
-        import torch
-
-        with torch.inference_mode():
-            enc = self.tokenizer(prompts, return_tensors="pt", padding=True).to(self.device)
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id,
+        def run(chunk: list[list[int]], states: States | None, start: int) -> list[list[int]]:
+            return decode(
+                self.model,
+                chunk,
+                pad,
+                self.device,
+                max_tokens=max_new_tokens,
+                eos=eos,
+                prefix=states,
+                prefix_len=start,
             )
-        new_tokens = out[:, enc["input_ids"].shape[1] :]
-        return [str(t) for t in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]
+
+        generated = by_length(self, prompts, prefix, run, "generate", max_new_tokens)
+        with self.lock:
+            return [str(self.tokenizer.decode(t, skip_special_tokens=True)) for t in generated]
 
     def chat_prompt(self, message: str) -> str:
         """``message`` as a user turn in the tokenizer's chat template, ready for the answer

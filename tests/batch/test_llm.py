@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,6 +58,33 @@ def test_sampling_is_reproducible_per_seed_whatever_the_packing(lm):
     assert all(a != b for a, b in zip(together, other, strict=True))
     greedy = [r["text"] for r in llm.generate(rows_of(PROMPTS), context=lm, max_tokens=12)]
     assert together != greedy
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"temperature": 1.5, "seed": 7}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}],
+    ids=["greedy", "sampled", "nucleus"],
+)
+def test_generation_keeps_the_prompts_shared_start_and_gives_the_same_text(lm, options):
+    head = "You answer questions about places and people in a few words. " * 3
+    rows = rows_of([head + p for p in PROMPTS])
+    whole = llm.generate(rows, context=replace(lm, prefix_cache=None), max_tokens=10, **options)
+    lm.prefix_cache.clear()
+    widths = []
+    hook = lm.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True,
+    )
+    try:
+        kept = llm.generate(rows, context=lm, max_tokens=10, **options)
+    finally:
+        hook.remove()
+    assert kept == whole
+    assert len(lm.prefix_cache) == 1  # the shared start, computed once and kept
+    head_tokens = len(lm.tokenizer(head)["input_ids"])
+    longest = max(count_tokens(lm, [r["prompt"] for r in rows]))
+    assert widths[0] >= head_tokens - 2  # the prefix's own pass, then the rest only
+    assert max(widths[1:]) <= longest - head_tokens + 2
 
 
 def test_a_tiny_nucleus_samples_the_greedy_tokens(lm):

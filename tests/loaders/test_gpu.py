@@ -280,3 +280,35 @@ def test_threads_of_one_worker_take_turns_on_tokenizer_and_model(monkeypatch, ti
 
     assert run_in_threads(work, 4) == []
     assert len(overlaps) == 20 and max(overlaps) == 1
+
+
+def test_passes_after_a_kept_prefix_count_its_states_and_the_new_tokens(tiny_model_dir):
+    from dask_pcm.loaders.passes import rows_for
+
+    lm = CausalLM(device="cpu", batch_size=64)(tiny_model_dir)
+    head = "An instruction every prompt starts with, long enough to weigh: " * 4
+    prompts = [head + f"claim {i} is" for i in range(16)]
+    ids = lm.tokenizer(prompts)["input_ids"]
+    cached = lm.prefix_cache.states_for(ids, lm.tokenizer(head)["input_ids"], lm.model, "cpu")[0]
+    suffix = max(len(seq) for seq in ids) - cached
+    config = lm.model.config
+    lm.memory_budget = 4 * prompt_bytes(config, 4, suffix, "generate", 12, cached) + 1
+    rows = rows_for(lm, suffix, "generate", 12, cached)
+    assert rows == 4
+    # Without the kept states or the new tokens counted, it would take more.
+    assert rows_for(lm, suffix, "generate", 12) > 4
+    assert prompt_bytes(config, 4, suffix, "generate", 0, cached) < lm.memory_budget / 4 - 1
+    # generate's passes hold that many rows: each row's copy of the kept states, its own
+    # tokens and the ones it generates.
+    first = []
+
+    def watch(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:  # a pass's first step
+            first.append(kwargs["input_ids"].shape[0])
+
+    hook = lm.model.register_forward_pre_hook(watch, with_kwargs=True)
+    texts = lm.generate(prompts, 12, prefix=head)
+    hook.remove()
+    assert max(first) == rows and sum(first) == 16
+    lm.memory_budget = None
+    assert lm.generate(prompts, 12) == texts

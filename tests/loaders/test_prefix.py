@@ -7,11 +7,19 @@ import dask.config
 import pytest
 import torch
 
+import dask_pcm.loaders.passes as passes_module
+import dask_pcm.loaders.prefix as prefix_module
 from dask_pcm.fever import demo_claims, get_templates
-from dask_pcm.fever.scoring import score_logits
+from dask_pcm.fever.scoring import score_generate, score_logits
 from dask_pcm.fever.units import template_head
 from dask_pcm.loaders.llm import CausalLM
-from dask_pcm.loaders.prefix import PrefixCache, shared_prefix
+from dask_pcm.loaders.prefix import (
+    MIN_PREFIX_TOKENS,
+    PACK_TOKENS,
+    PrefixCache,
+    pack,
+    shared_prefix,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +93,72 @@ def test_a_loader_without_a_prefix_budget_keeps_none(tiny_model_dir):
     torch.testing.assert_close(
         plain.next_token_logits(prompts, prefix=head), plain.next_token_logits(prompts)
     )
+
+
+@pytest.mark.parametrize("template", get_templates(None), ids=lambda t: t.name)
+def test_every_builtin_template_generates_the_same_tokens_with_its_prefix_kept(lm, template):
+    claims = [c.claim for c in demo_claims().claims[:6]]
+    prompts = [template.render(c, lm.tokenizer) for c in claims]
+    head = template_head(template, lm.tokenizer)
+    lm.prefix_cache.clear()
+    kept = score_generate(lm, prompts, template.answers, 8, prefix=head)
+    whole = score_generate(lm, prompts, template.answers, 8)
+    assert kept == whole
+    assert len({row["generated"] for row in whole}) > 1  # not one text for every claim
+    shared = shared_prefix(lm.tokenizer(prompts)["input_ids"], lm.tokenizer(head)["input_ids"])
+    assert len(lm.prefix_cache) == (shared >= MIN_PREFIX_TOKENS)  # and it was kept
+
+
+def test_greedy_generation_is_what_transformers_generates(lm):
+    prompts = ["The claim is", "A much longer prompt about rivers and mountains is", "x"]
+    enc = lm.tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        out = lm.model.generate(**enc, max_new_tokens=6, do_sample=False)
+    want = lm.tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert lm.generate(prompts, 6) == want
+    assert [lm.complete(p, 6) for p in prompts] == want
+
+
+def test_short_rows_after_a_kept_prefix_share_one_pass_and_score_as_alone(lm, monkeypatch, request):
+    template = get_templates("few-shot")[0]
+    head = template_head(template, lm.tokenizer)
+    prompts = [template.render(c.claim, lm.tokenizer) for c in demo_claims().claims[:20]]
+    alone = torch.cat([lm.next_token_logits([p]) for p in prompts])
+    lm.next_token_logits(prompts, prefix=head)  # the prefix's states, kept
+    ids = lm.tokenizer(prompts)["input_ids"]
+    shared = shared_prefix(ids, lm.tokenizer(head)["input_ids"])
+    sequences = pack(sorted(len(seq) - shared for seq in ids), PACK_TOKENS)
+    calls = []
+    hook = lm.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    request.addfinalizer(hook.remove)
+    kept = lm.next_token_logits(prompts, prefix=head)
+    torch.testing.assert_close(kept, alone, atol=1e-4, rtol=0)
+    # 20 rows, more than batch_size: one pass of sequences without padding between rows.
+    width = max(sum(sorted(len(seq) - shared for seq in ids)[i] for i in seq) for seq in sequences)
+    assert lm.batch_size == 8 and len(sequences) <= 8
+    assert calls == [(len(sequences), width)]
+    # Shorter sequences: more of them, in as many passes as batch_size asks.
+    monkeypatch.setattr(passes_module, "PACK_TOKENS", 40)
+    monkeypatch.setattr(prefix_module, "PACK_TOKENS", 40)
+    calls.clear()
+    torch.testing.assert_close(lm.next_token_logits(prompts, prefix=head), alone, atol=1e-4, rtol=0)
+    count = len(pack(sorted(len(seq) - shared for seq in ids), 40))
+    assert [n for n, _ in calls] == [8] * (count // 8) + ([count % 8] if count % 8 else [])
+
+
+def test_the_packed_layout_lets_each_row_see_the_prefix_and_itself():
+    from dask_pcm.loaders.prefix import pack, packed
+
+    rows = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    sequences = pack([len(r) for r in rows], limit=6)
+    assert sequences == [[0, 1, 2], [3]]
+    ids, mask, positions, starts = packed(rows, sequences, pad_id=0, prefix_len=2)
+    assert ids.tolist() == [[5, 6, 7, 8, 9, 10], [0, 0, 11, 12, 13, 14]]
+    assert positions.tolist() == [[2, 3, 4, 2, 2, 3], [2, 2, 2, 3, 4, 5]]
+    assert starts == [(0, 0), (0, 3), (0, 4), (1, 2)]
+    seen = mask[0, 0, 5].tolist()  # the last token of row 2: the prefix, its row up to itself
+    assert seen == [True, True, False, False, False, False, True, True]
+    assert mask[1, 0, 0].tolist() == [True, True, True, False, False, False, False, False]
