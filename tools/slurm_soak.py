@@ -2,9 +2,10 @@
 
 Starts ``--jobs`` worker jobs on the SLURM that ``ci/slurm/setup.sh`` runs, scores at least
 2,000 units (``--claims`` x ``--templates``, one claim per unit), and every 8-20 s (seeded)
-either ``scancel``s a worker job or SIGKILLs its nanny and worker (a vanished node). Prints
-what it did and checks what a user relies on: every (claim, template) row exactly once, and
-as many replacement jobs as jobs lost (none extra).
+either ``scancel``s a worker job or SIGKILLs its nanny and worker (a vanished node), any
+worker but the last one with the context ready. Prints what it did and checks what a user
+relies on: every (claim, template) row exactly once, as many replacement jobs as jobs lost
+(none extra), and every replacement's template copied from a peer.
 
     sudo bash ci/slurm/setup.sh && python tools/slurm_soak.py --jobs 3 --claims 500
 """
@@ -57,8 +58,11 @@ class Preemptor(threading.Thread):
         """Record every worker's status row each second for ``seconds``; True once stopped."""
         deadline = time.monotonic() + seconds
         while not self.stop.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
-            for row in dask_pcm.status(self.client).to_dict("records"):
+            present = dask_pcm.status(self.client).to_dict("records")
+            for row in present:
                 self.rows[row["worker"]] = row
+            for worker in set(self.rows) - {row["worker"] for row in present}:
+                self.rows[worker] = {**self.rows[worker], "state": "gone"}
             if time.monotonic() >= deadline:
                 return False
         return True
@@ -73,9 +77,13 @@ class Preemptor(threading.Thread):
         start = time.monotonic()
         while not self._watch(self.rng.uniform(8, 20)):
             workers = self.client.scheduler_info()["workers"]
-            if len(workers) < 2:
-                continue  # keep one worker holding the template for the joiners
-            address = self.rng.choice(sorted(workers))
+            ready = {w for w, row in self.rows.items() if row["state"] == "ready"}
+            # Any worker may go, as long as another one with the context ready stays: the
+            # run goes on and a peer holds the template for the joiners.
+            victims = sorted(w for w in workers if ready - {w})
+            if not victims:
+                continue
+            address = self.rng.choice(victims)
             job = self.cluster.workers[workers[address]["name"]].job_id
             if self.rng.random() < 0.5:
                 subprocess.run(["scancel", job], check=False)
