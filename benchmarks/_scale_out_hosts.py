@@ -37,7 +37,8 @@ import dask_pcm
 from dask_pcm.templates.manifest import build_manifest
 
 DEFAULT_LINK = 24.0  # Mbit/s
-# A twelfth of the template, about as the embedded model is cut in 64 MiB chunks (9); finer
+# 17 chunks of the 12 MB template (its files are cut apart), about as the embedded model's 9
+# of 64 MiB; finer
 # chunks pay a directory round trip each, which a loaded 2-core machine makes slow.
 CHUNK = "1 MiB"
 MODES = ("source", "p2p")

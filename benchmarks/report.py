@@ -442,6 +442,49 @@ def _scale_out(folder: Path) -> Block:
     return Block(f"{first}\n\n{ratios}", [src])
 
 
+def _scale_out_hosts(folder: Path) -> Block:
+    src = load_stamped("scale-out-hosts", folder)
+    link = src.meta["link_mbit_per_s"] if src.meta else float("nan")
+    sizes = sorted({r["n"] for r in src.rows if r["mode"] != "single"})
+    body = []
+    for n in sizes:
+        for mode in ("source", "p2p"):
+            where = {"n": n, "mode": mode}
+            growth = (
+                ""
+                if n == 1 or 1 not in sizes
+                else show(
+                    figure(src, metric="held_over_n1", **where),
+                    strong=mode == "p2p" and n == sizes[-1],
+                )
+            )
+            body.append([
+                str(n), mode, show(figure(src, metric="held_seconds", **where)), growth,
+                show(figure(src, metric="held_cpu_share", **where)),
+                show(figure(src, metric="seconds", **where)),
+                num(medians(src.rows, "mb_from_source", **where), ",.1f"),
+                num(medians(src.rows, "mb_from_peers", **where), ",.1f"),
+            ])  # fmt: skip
+    head = ["N", "mode", "held s", "held / N=1", "CPU share while held", "ready s",
+            "MB from source", "MB from peers"]  # fmt: skip
+    first = table(head, body, "rlrrrrrr")
+    rate, share = (figure(src, metric=m, mode="single") for m in ("mbit_per_s", "of_link"))
+    load = (src.meta or {}).get("load_average_during") or [float("nan")]
+    facts = table(
+        ["figure", "value"],
+        [
+            [f"one copy between two hosts, Mbit/s (link {link:g})", show(rate, ".1f")],
+            ["one copy, share of the link cap", show(share, strong=True)],
+            ["template MB, chunk", f"{num(src.meta['template_mb'], '.1f')}, {src.meta['chunk']}"]
+            if src.meta else ["template", "?"],
+            ["1-minute load average at the variants' starts, min to max",
+             f"{min(load):.1f}{DASH}{max(load):.1f}"],
+        ],
+        "lr",
+    )  # fmt: skip
+    return Block(f"{first}\n\n{facts}", [src])
+
+
 TRANSFER: list[Column] = [
     ("chunk_mib", "chunk MiB", "d"),
     ("mb_per_s", "MB/s (best of 2)", ".0f"),
@@ -872,6 +915,7 @@ RUNS = {
     "preemption": "preemption.py",
     "scale-out": "scale_out.py",
     "scale-out-simulated": "scale_out.py --simulate",
+    "scale-out-hosts": "scale_out.py --hosts",
     "peers": "peers.py",
     "scheduler-overhead": "scheduler_overhead.py",
     "prefix": "prefix.py",
@@ -925,6 +969,7 @@ GENERATORS: dict[str, Generator] = {
     "scale-out-simulated": _scale_out_simulated,
     "scale-out": _scale_out,
     "scale-out-transfer": _scale_out_transfer,
+    "scale-out-hosts": _scale_out_hosts,
     "peers": _peers,
     "scheduler-overhead": _scheduler_overhead,
     "prefix": _prefix,

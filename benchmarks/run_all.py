@@ -38,6 +38,7 @@ SCRIPTS = {
     "preemption": "preemption.py",  # RQ3: throughput under preemption
     "scale_out": "scale_out.py",  # RQ4: workers joining at once, peer to peer
     "broadcast": "scale_out.py --simulate",  # RQ4 at 256 workers, simulated time
+    "scale_out_hosts": "scale_out.py --hosts",  # RQ4 between emulated hosts, link-bound (root)
     "peers": "peers.py",  # dask_pcm against Ray Data and plain Dask
     "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
     "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
