@@ -13,10 +13,11 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from dask_pcm import protocol
 from dask_pcm.batch.failures import last_worker
-from dask_pcm.batch.units import Unit
+from dask_pcm.batch.units import Unit, WaveRows
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,24 @@ class Task:
     pieces: list[Piece]
     alone: bool = False  # run from quarantine, with nothing else of the run in flight
     timed_out: str | None = None  # why it was given up, once past its timeout
+    rows: Any = None  # its wave's rows: the Future of a WaveRows, or one sent inline
+
+
+def pack_wave(tasks: list[Task]) -> tuple[WaveRows, list[list[tuple[str, int, int]]]]:
+    """The rows of every piece of ``tasks`` (and their groups' parameters) as one
+    :class:`WaveRows`, and per task its pieces as (unit name, start, stop) in it."""
+    rows: list[Any] = []
+    params: dict[str | None, Any] = {}
+    ranges = []
+    for task in tasks:
+        spans = []
+        for piece in task.pieces:
+            unit = piece.unit
+            spans.append((unit.name, len(rows), len(rows) + len(unit.rows)))
+            rows.extend(unit.rows)
+            params.setdefault(unit.group, unit.params)
+        ranges.append(spans)
+    return WaveRows(tuple(rows), params), ranges
 
 
 @dataclass

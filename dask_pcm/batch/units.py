@@ -5,7 +5,9 @@ parameter set of the run, such as a prompt template; runs without groups have on
 the grain of the output folder and of a resume: ``<group>--<index>``, or ``unit-<index>``.
 :func:`run_units` is the task the dispatch submits: it calls the user's function once per
 unit, on a worker whose contexts are ready, and returns each unit's rows as an Arrow table,
-or what went wrong.
+or what went wrong. A task names its units' rows by index ranges into the :class:`WaveRows`
+of its wave (one graph key the dispatch sends once for all the wave's tasks), so that no task
+message carries row text.
 """
 
 from __future__ import annotations
@@ -90,15 +92,29 @@ class Work:
     timeout: float | None = None
 
 
+@dataclass(frozen=True)
+class WaveRows:
+    """The rows of one wave of tasks, and the parameters of the groups they run under.
+
+    The dispatch sends it to the workers once, as one graph key, and each task of the wave
+    carries index ranges into ``rows``: the scheduler, and the message logs distributed keeps
+    of what it sends, hold keys and numbers per task, not row text.
+    """
+
+    rows: tuple[Any, ...]
+    params: Mapping[str | None, Mapping[str, Any]] = field(default_factory=dict)
+
+
 def run_units(
     fn: Callable[..., Any],
-    units: Sequence[tuple[str, Sequence[Any]]],
+    wave: WaveRows,
+    units: Sequence[tuple[str, int, int]],
     group: str | None,
-    params: Mapping[str, Any],
     kwargs: Mapping[str, Any],
     layout: Layout,
 ) -> dict[str, Any]:
-    """The task: ``fn(rows, **params, **kwargs)`` for each (name, rows) of ``units``.
+    """The task: ``fn(rows, **params, **kwargs)`` for each (name, start, stop) of ``units``,
+    ``rows`` being ``wave.rows[start:stop]`` and ``params`` ``wave.params[group]``.
 
     Returns ``units``: (name, Arrow table) per unit, or (name, ``None``) for a unit whose call
     raised, with what it raised in ``errors`` (name -> type, message, traceback, worker);
@@ -109,7 +125,9 @@ def run_units(
     start = time.perf_counter()
     out: list[tuple[str, pa.Table | None]] = []
     errors: dict[str, dict[str, Any]] = {}
-    for name, rows in units:
+    params = wave.params.get(group, {})
+    for name, begin, end in units:
+        rows = wave.rows[begin:end]
         try:
             result = fn(list(rows), **params, **kwargs)
             table = output_table(result, layout.keys(rows, group), name)

@@ -55,6 +55,45 @@ def test_no_more_tasks_than_the_limit_reach_the_scheduler(cluster):
     assert max(held) < 10
 
 
+def _mentions(message, needle: bytes) -> bool:
+    """Whether ``needle`` is anywhere in ``message`` (pickled parts included)."""
+    import cloudpickle
+
+    if isinstance(message, bytes | bytearray | memoryview):
+        return needle in bytes(message)
+    if isinstance(message, str):
+        return needle.decode() in message
+    if isinstance(message, dict):
+        return any(_mentions(k, needle) or _mentions(v, needle) for k, v in message.items())
+    if isinstance(message, list | tuple | set):
+        return any(_mentions(m, needle) for m in message)
+    try:
+        return needle in cloudpickle.dumps(message)
+    except Exception:
+        return needle.decode() in repr(message)
+
+
+def test_no_task_message_carries_row_text(cluster):
+    """A wave's rows go to a worker once, as one key; its tasks carry index ranges. Before,
+    every task message held its rows, and distributed keeps the last 1,000 messages of each
+    stream: at paper scale the client (the scheduler in it) grew by a gigabyte."""
+    cluster, client = cluster
+    rows = [{"id": i, "text": f"needle-{i:03d} in the rows"} for i in range(30)]
+    units = make_units(rows, 2, {"a": {}, "b": {"suffix": "!"}})
+    got: dict[str, int] = {}
+    Dispatch(client, units, WORK, lambda name, table: got.update({name: table.num_rows})).run()
+    assert got == {u.name: 2 for u in units}
+    scheduler = cluster.scheduler
+    streams = [client.scheduler_comm, *scheduler.client_comms.values()]
+    streams += [
+        *scheduler.stream_comms.values(),
+        *(w.batched_stream for w in cluster.workers.values()),
+    ]
+    logged = [m for bs in streams for m in bs.recent_message_log]
+    assert any(_mentions(m, b"compute-task") for m in logged)  # the logs are there
+    assert not [m for m in logged if _mentions(m, b"needle-")]
+
+
 def test_units_are_packed_into_fewer_tasks_as_their_time_is_learned(cluster):
     _, client = cluster
     units = _units()
