@@ -40,6 +40,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -77,6 +78,15 @@ def dask_environ(settings: Mapping[str, Any]) -> dict[str, str]:
         name = "DASK_" + "__".join(part.replace("-", "_").upper() for part in key.split("."))
         out[name] = value if isinstance(value, str) else repr(value)
     return out
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM (``timeout``, a CI runner stopping a job) unwind the main thread like an
+    exception, so that context managers and ``atexit`` remove the network: Python's default
+    for it ends the process at once. A handler someone else installed is left alone."""
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class Host:
@@ -246,6 +256,7 @@ class Network:
         name = Path(SharedBandwidth(1, name="template-source")._path).name
         self.source_state = self.directory / name
         self._lock: TextIO | None = take_lock(lock_timeout)
+        _exit_on_sigterm()
         try:
             cleanup()  # whatever a killed run left behind
             run("ip", "link", "add", BRIDGE, "type", "bridge")

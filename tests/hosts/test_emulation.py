@@ -193,3 +193,32 @@ def test_the_simulated_shared_filesystem_is_one_for_all_hosts(network):
     network.reset_source()
     with dask.config.set({"pcm.lock-directory": str(second.lock_directory)}):
         assert SharedBandwidth(1e6, name="template-source").book(10) - time.time() < 0.1
+
+
+TERMINATED = """
+import sys, time
+from dask_pcm.testing.hosts import Network
+with Network(hosts=2, link=10, directory=sys.argv[1]) as net:
+    net.hosts[0].cut()
+    net.hosts[1].popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_run_stopped_with_sigterm_removes_its_network(tmp_path):
+    """``timeout`` and CI runners stop a job with SIGTERM, which Python's default handler
+    obeys without running atexit or leaving a with block."""
+    require_hosts()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TERMINATED, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        assert "namespace pcmh2" in hosts.leftovers()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert hosts.leftovers() == []
