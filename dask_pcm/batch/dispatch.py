@@ -5,7 +5,7 @@ Three things keep a run of 90,910 units cheap on the client, the scheduler and p
 - **Packed tasks.** One task runs several consecutive units of one group
   (:func:`~dask_pcm.batch.units.run_units`), as many as take about ``pcm.batch.task-seconds``
   by the scoring time the tasks report (one unit per task until the first returns, 64 at
-  most). With a small model, a unit of 16 claims takes milliseconds, about what Dask spends
+  most: :mod:`dask_pcm.batch.sizing`). With a small model, a unit of 16 claims takes milliseconds, about what Dask spends
   on a task (messages, transitions, the result's trip back); packing keeps that cost a small
   part of the work on fast GPUs and slow CPUs alike. Units stay the grain of the output and
   of a resume. Near the end, tasks shrink so that every worker thread gets a share.
@@ -71,9 +71,10 @@ from distributed.comm.core import CommClosedError
 from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
-from dask_pcm import config, protocol
+from dask_pcm import protocol
 from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
 from dask_pcm.batch.pieces import Piece, Task, after_loss, pack_wave, task_key
+from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, MIN_IN_FLIGHT, Sizing
 from dask_pcm.batch.units import Unit, WaveRows, Work, error_rows, run_units
 from dask_pcm.batch.watch import TICK, check_cluster, next_batch, scheduler_lost
 
@@ -82,13 +83,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Units one task runs at most.
-MAX_UNITS_PER_TASK = 64
-#: Tasks in flight at least, whatever the cluster's size: enough queued work for an adaptive
-#: cluster to ask for more workers.
-MIN_IN_FLIGHT = 64
-# Seconds between asking the scheduler how many worker threads there are.
-_THREADS_EVERY = 2.0
+__all__ = ["MAX_UNITS_PER_TASK", "MIN_IN_FLIGHT", "Dispatch"]
 
 
 class Dispatch:
@@ -136,17 +131,12 @@ class Dispatch:
         self.on_error = on_error or raise_unit_error
         self.progress = progress
         self.on_tick = on_tick
-        configured = in_flight or config.batch("tasks-in-flight")
-        self._fixed_in_flight = int(configured) if configured else None
-        self.task_seconds = config.batch_seconds("task-seconds") or 0.0
-        self.unit_seconds: float | None = None
+        self.sizing = Sizing(client, in_flight)
         self.tasks = 0  # submitted, resubmissions included
         self.lost_rows = 0  # rows recorded as errors because they killed their workers
         self.failed_units = 0  # units whose function raised, or that timed out
         self.served: dict[str, int] = {}  # tasks whose results came back, per worker
         self._waves = 0
-        self._threads = 1
-        self._threads_at = -_THREADS_EVERY
         self._running: dict[Future, Task] = {}
         self._retry: deque[Piece] = deque()  # pieces of lost tasks, each a task of its own
         self._again: deque[Task] = deque()  # tasks whose wave's rows were lost: run again
@@ -156,34 +146,6 @@ class Dispatch:
         self._attempts: dict[str, int] = {}
         self._ticked = time.monotonic()
 
-    # -- sizing -----------------------------------------------------------------------------
-    def threads(self) -> int:
-        """Worker threads in the cluster now (asked every few seconds; at least 1)."""
-        now = time.monotonic()
-        if now - self._threads_at >= _THREADS_EVERY:
-            self._threads = max(1, sum(self.client.nthreads().values()))
-            self._threads_at = now
-        return self._threads
-
-    def in_flight(self) -> int:
-        if self._fixed_in_flight:
-            return self._fixed_in_flight
-        return max(4 * self.threads(), MIN_IN_FLIGHT)
-
-    def units_per_task(self) -> int:
-        """Units for the next task: about ``task_seconds`` of work, 1 until a task has
-        reported, fewer near the end so that every worker thread gets some."""
-        if self.unit_seconds is None:
-            return 1
-        wanted = int(self.task_seconds / max(self.unit_seconds, 1e-6))
-        share = len(self.queue) // (2 * self.threads())
-        return max(1, min(wanted, share, MAX_UNITS_PER_TASK))
-
-    def _learn(self, seconds: float, units: int) -> None:
-        per_unit = seconds / max(units, 1)
-        old = self.unit_seconds
-        self.unit_seconds = per_unit if old is None else 0.7 * old + 0.3 * per_unit
-
     # -- submitting -------------------------------------------------------------------------
     def _next_tasks(self) -> list[Task]:
         if self._quarantine:
@@ -192,12 +154,13 @@ class Dispatch:
                 return []
             return [Task([self._quarantine.popleft()], alone=True)]
         tasks: list[Task] = []
-        while self._again and len(self._running) + len(tasks) < self.in_flight():
+        in_flight = self.sizing.in_flight()
+        while self._again and len(self._running) + len(tasks) < in_flight:
             tasks.append(self._again.popleft())
-        while self._retry and len(self._running) + len(tasks) < self.in_flight():
+        while self._retry and len(self._running) + len(tasks) < in_flight:
             tasks.append(Task([self._retry.popleft()]))
-        while self.queue and len(self._running) + len(tasks) < self.in_flight():
-            size = self.units_per_task()
+        while self.queue and len(self._running) + len(tasks) < in_flight:
+            size = self.sizing.units_per_task(len(self.queue))
             first = self.queue.popleft()
             pack = [first]
             while self.queue and len(pack) < size and self.queue[0].group == first.group:
@@ -214,7 +177,7 @@ class Dispatch:
             for piece in task.pieces:
                 self._attempts[piece.unit.name] = self._attempts.get(piece.unit.name, 0) + 1
         wave, ranges = pack_wave(tasks)
-        rows = self._send(wave)
+        rows = _send(self.client, wave)
         for task in tasks:
             task.rows = rows
         # Given up at the first worker that dies running it: the loop splits it then.
@@ -236,15 +199,6 @@ class Dispatch:
         self.tasks += len(tasks)
         self._running.update(zip(futures, tasks, strict=True))
         return futures
-
-    def _send(self, wave: WaveRows) -> Future | WaveRows:
-        """``wave`` on a worker, as one key the wave's tasks depend on; the rows themselves,
-        to travel inside each task as before, when no worker is running now (a batch
-        cluster's first jobs still queued)."""
-        try:
-            return self.client.scatter(wave, hash=False, timeout=TICK)
-        except TimeoutError:
-            return wave
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -297,7 +251,7 @@ class Dispatch:
                 finished = [f for f in finished if f.status == "finished"]
         for future, result in zip(finished, results, strict=True):
             task = self._running.pop(future)
-            self._learn(result["seconds"], len(task.pieces))
+            self.sizing.learn(result["seconds"], len(task.pieces))
             worker = result.get("worker")
             if worker:
                 self.served[worker] = self.served.get(worker, 0) + 1
@@ -342,6 +296,8 @@ class Dispatch:
         """Split a task lost with its workers; raise anything else."""
         task = self._running.pop(future)
         if future.status == "cancelled" and _lost(task.rows):
+            # A lost scheduler cancels every future, the rows' too: raise that.
+            check_cluster(self.client, len(self._running) + 1)
             # Its wave's rows went with a worker that died; the task itself did not run
             # there (a task that did fails with KilledWorker first): not a loss of its own.
             self._again.append(task)
@@ -380,3 +336,13 @@ class Dispatch:
 def _lost(rows: Future | WaveRows | None) -> bool:
     """Whether a task's wave rows were on workers that are all gone."""
     return isinstance(rows, Future) and rows.status != "finished"
+
+
+def _send(client: Client, wave: WaveRows) -> Future | WaveRows:
+    """``wave`` on a worker, as one key the wave's tasks depend on; the rows themselves, to
+    travel inside each task, when no worker is running now (a batch cluster's first jobs
+    still queued)."""
+    try:
+        return client.scatter(wave, hash=False, timeout=TICK)
+    except TimeoutError:
+        return wave

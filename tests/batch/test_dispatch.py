@@ -6,7 +6,8 @@ import dask
 import pytest
 
 import dask_pcm
-from dask_pcm.batch.dispatch import MAX_UNITS_PER_TASK, Dispatch
+from dask_pcm.batch.dispatch import Dispatch
+from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, Sizing
 from dask_pcm.batch.units import Layout, Work, make_units
 
 CONTEXT = "llm"
@@ -106,8 +107,8 @@ def test_units_are_packed_into_fewer_tasks_as_their_time_is_learned(cluster):
     assert got == {u.name: len(u.rows) for u in units}
     # First one unit (nothing measured yet), then shares of what is left per worker thread.
     assert dispatch.tasks < len(units) / 2
-    assert dispatch.units_per_task() > 1 or not dispatch.queue
-    assert dispatch.unit_seconds is not None and dispatch.unit_seconds > 0
+    assert dispatch.sizing.units_per_task(len(dispatch.queue)) > 1 or not dispatch.queue
+    assert dispatch.sizing.unit_seconds is not None and dispatch.sizing.unit_seconds > 0
 
 
 def test_units_per_task_follows_the_measured_time():
@@ -116,14 +117,13 @@ def test_units_per_task_follows_the_measured_time():
             return {"a": 1, "b": 1}
 
     units = _units()
-    dispatch = Dispatch(FakeClient(), units * 100, WORK, lambda n, t: None)
-    assert dispatch.units_per_task() == 1  # nothing measured yet
-    dispatch._learn(seconds=0.5, units=5)  # 0.1 s per unit, 1 s per task wanted
-    assert dispatch.units_per_task() == 10
+    sizing = Sizing(FakeClient())
+    queued = len(units) * 100
+    assert sizing.units_per_task(queued) == 1  # nothing measured yet
+    sizing.learn(seconds=0.5, units=5)  # 0.1 s per unit, 1 s per task wanted
+    assert sizing.units_per_task(queued) == 10
     for _ in range(30):  # a moving average: faster units soon count
-        dispatch._learn(seconds=0.0001, units=1)
-    assert dispatch.units_per_task() == MAX_UNITS_PER_TASK
-    dispatch.queue.clear()
-    dispatch.queue.extend(units[:12])  # near the end: a share per thread, at least 1
-    assert dispatch.units_per_task() == 3
-    assert dispatch.in_flight() == 64  # the floor, with 2 threads
+        sizing.learn(seconds=0.0001, units=1)
+    assert sizing.units_per_task(queued) == MAX_UNITS_PER_TASK
+    assert sizing.units_per_task(12) == 3  # near the end: a share per thread, at least 1
+    assert sizing.in_flight() == 64  # the floor, with 2 threads
