@@ -36,6 +36,7 @@ def register(
     level: str | None = None,
     timeout: float | str | None = None,
     reload: bool = False,
+    wait: str = "all",
 ) -> pd.DataFrame:
     """Materialise ``contexts`` on every worker of ``client``'s cluster, now and later.
 
@@ -61,6 +62,11 @@ def register(
         template, level and template files, by :func:`dask.base.tokenize`) keeps the
         resident copies, so a notebook can call ``register`` again without reloading the
         model. ``reload=True`` rebuilds it on every worker.
+    wait : {"all", "first"}
+        ``"all"``: return when every present worker has each context ready or failed.
+        ``"first"``: as soon as each context is ready on one worker (work can start there:
+        tasks go only to workers where their contexts are ready, the others join as they
+        finish loading); a worker that fails later is logged there and gets no tasks.
 
     Returns
     -------
@@ -82,6 +88,8 @@ def register(
     """
     if not contexts:
         raise ValueError("register() needs at least one Context")
+    if wait not in ("all", "first"):
+        raise ValueError(f"wait must be 'all' or 'first', not {wait!r}")
     names = [c.name for c in contexts]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate context names in register(): {names}")
@@ -97,7 +105,7 @@ def register(
             logger.info("Context %r already registered; reusing it", d["name"])
     wait_s = config.ready_timeout() if timeout is None else _seconds(timeout)
     settle = getattr(client.scheduler, SETTLE_OP)  # the scheduler plugin's handler
-    answer = client.sync(settle, names=names, timeout=wait_s)
+    answer = client.sync(settle, names=names, timeout=wait_s, first=wait == "first")
     if answer["left"]:
         # Preempted or scancel'd while loading: no failure of the context. Workers that
         # join later build it themselves.

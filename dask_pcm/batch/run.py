@@ -333,7 +333,8 @@ def _register(client: Client, declared: dict[str, Context | None], level: str) -
             )
     contexts = [c for c in declared.values() if c is not None]
     if contexts:
-        pcm.register(client, *contexts, level=level)
+        # Work starts on the first worker ready; the others get tasks as they finish loading.
+        pcm.register(client, *contexts, level=level, wait="first")
 
 
 def record(

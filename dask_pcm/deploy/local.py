@@ -8,7 +8,12 @@ in again. :class:`Nanny` drops that variable; every cluster dask_pcm starts uses
 
 The same nanny samples the worker's statistical profiler every ``pcm.worker.profile-interval``
 (100ms) instead of distributed's 10ms: each sample runs on the worker's event loop and walks
-the deep stacks of a forward pass, about 5 % of a core per worker here.
+the deep stacks of a forward pass, about 5 % of a core per worker here. Unless
+``pcm.worker.template-directory`` is set, its worker keeps template copies in
+``pcm-templates`` beside the workers' own folders (``dask-scratch-space``), which the
+workers of the host share: one copy of a model per host, not one per worker. Its worker
+imports ``pcm.worker.preimport-modules`` (torch, transformers) in a thread as it starts
+(:mod:`dask_pcm.worker.preimport`), not when its first context arrives.
 
 On a host with GPUs each nanny gives its worker one GPU of its own
 (``CUDA_VISIBLE_DEVICES``, :mod:`dask_pcm.deploy.gpu`), and :func:`local_cluster` starts one
@@ -41,6 +46,8 @@ from dask_pcm.deploy import gpu, with_preload
 from dask_pcm.gpus import visible_gpus
 
 MALLOC_TRIM = "MALLOC_TRIM_THRESHOLD_"
+#: The worker preload that starts the heavy imports (named: the nanny does not import it).
+PREIMPORT = "dask_pcm.worker.preimport"
 
 
 class Nanny(distributed.Nanny):
@@ -66,6 +73,14 @@ class Nanny(distributed.Nanny):
             # dask.config.merge copies nested dicts: the process-wide config stays untouched.
             self.config = dask.config.merge(
                 self.config, {"distributed": {"worker": {"profile": {"interval": interval}}}}
+            )
+        preloads = [self.preload] if isinstance(self.preload, str) else list(self.preload or [])
+        if PREIMPORT not in preloads:
+            self.preload = [*preloads, PREIMPORT]
+        if not config.get("worker.template-directory"):
+            shared = os.path.join(self._workspace.base_dir, "pcm-templates")
+            self.config = dask.config.merge(
+                self.config, {"pcm": {"worker": {"template-directory": shared}}}
             )
 
     async def start_unsafe(self) -> Any:

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +110,12 @@ class CausalLM:
         """
         resolved = resolve_source(EMBEDDED if location is None else location)
         model = None
+        began = time.perf_counter()
         try:
             import torch
             from transformers.utils import logging as hf_logging
+
+            imported = time.perf_counter()
 
             # A progress bar per load would flood worker logs (one load per task at levels
             # partial and agnostic).
@@ -120,6 +124,7 @@ class CausalLM:
             baseline = _allocated(torch, plan)
             with _FROM_PRETRAINED:
                 model, tokenizer = _from_pretrained(resolved, getattr(torch, plan.dtype))
+            built = time.perf_counter()
             model.to(plan.device)
             model.eval()
             model.requires_grad_(False)
@@ -129,6 +134,7 @@ class CausalLM:
             limit = config.prefix_cache_bytes()
             lm.prefix_cache = PrefixCache(limit) if limit else None
             self._size_batches(torch, lm, plan)
+            warming = time.perf_counter()
             _warm_up(lm, plan)
             if plan.is_cuda:
                 lm.device_bytes = int(torch.cuda.max_memory_allocated(plan.device)) - baseline
@@ -140,12 +146,16 @@ class CausalLM:
             raise ContextLoadError(
                 f"could not load a causal LM from '{resolved.path}': {type(exc).__name__}: {exc}"
             ) from exc
-        logger.debug(
-            "loaded %s on %s as %s, batches of %d",
+        logger.info(
+            "Loaded %s on %s as %s, batches of %d: imports %.2f s, from_pretrained %.2f s, "
+            "warm-up %.2f s",
             resolved.path,
             plan.device,
             plan.dtype,
             lm.batch_size,
+            imported - began,
+            built - imported,
+            time.perf_counter() - warming,
         )
         return lm
 

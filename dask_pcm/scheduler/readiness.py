@@ -2,7 +2,9 @@
 
 :class:`Readiness` serves the ``pcm_settle`` handler (:data:`dask_pcm.protocol.SETTLE_OP`):
 it answers once every worker present when it was called has each context ``ready`` (or
-``evicted``) or ``failed``, or has left, or the timeout has passed. It waits on an
+``evicted``) or ``failed``, or has left, or the timeout has passed; asked for the ``first``
+ready worker, as soon as each context is ready on one of them (a batch run starts its work
+there while the others load). It waits on an
 :class:`asyncio.Event` that the scheduler plugin's handling of the worker plugins' state
 reports sets (:meth:`Readiness.changed`): no thread per worker and no polling. Contexts that
 failed on every worker it waited for are unregistered before it answers.
@@ -119,9 +121,23 @@ class Readiness:
             if states.get((name, w), ABSENT) not in SETTLED
         }
 
-    async def settle(self, names: list[str], timeout: float | None = None) -> dict[str, Any]:
+    def _ready_somewhere(self, names: list[str], workers: set[str]) -> bool:
+        """Whether each of ``names`` is ready on one of the connected ``workers``."""
+        present = workers & set(self.scheduler.workers)
+        ready = {
+            r["context"]
+            for r in self.states.rows(names)
+            if r["worker"] in present and r["state"] in (READY, EVICTED)
+        }
+        return all(name in ready for name in names)
+
+    async def settle(
+        self, names: list[str], timeout: float | None = None, first: bool = False
+    ) -> dict[str, Any]:
         """Scheduler handler: wait until ``names`` have settled on the workers present now,
-        for at most ``timeout`` seconds (``None``: no limit).
+        for at most ``timeout`` seconds (``None``: no limit); with ``first``, only until
+        each is ready on one of them (those still loading are then neither waited for nor
+        failures).
 
         Returns
         -------
@@ -134,7 +150,13 @@ class Readiness:
         """
         workers = set(self.scheduler.workers)
         late: dict[tuple[str, str], str] = {}
-        if not await self.until(lambda: not self._unsettled(names, workers), timeout):
+
+        def settled() -> bool:
+            if first and self._ready_somewhere(names, workers):
+                return True
+            return not self._unsettled(names, workers)
+
+        if not await self.until(settled, timeout):
             late = self._unsettled(names, workers)
         present = sorted(workers & set(self.scheduler.workers))
         failures = self._failures(names, present, late, timeout)

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,8 @@ from dask_pcm import config
 from dask_pcm.exceptions import ChunkError
 from dask_pcm.templates.sources import model_files
 from dask_pcm.templates.tree import TemplateFiles, check_distinct, check_file_name
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "FORMAT",
@@ -235,6 +239,7 @@ def build_manifest(
     ModelSourceError
         The source cannot be resolved or holds no template files.
     """
+    began = time.perf_counter()
     size = size or chunk_size()
     listed = source if isinstance(source, TemplateFiles) else model_files(source)
     root = listed.root
@@ -245,7 +250,9 @@ def build_manifest(
     cache = config.cache_directory() / "manifests" / f"{key}.json"
     if cache.is_file():
         try:
-            return Manifest.from_json(cache.read_text()), root
+            cached = Manifest.from_json(cache.read_text())
+            logger.info("Manifest of %s cached: %.2f s", root, time.perf_counter() - began)
+            return cached, root
         except (ChunkError, ValueError, KeyError):
             pass  # rebuilt below
     files = tuple(FileEntry(name, st.st_size, _hash_file(root / name, size)) for name, st in stats)
@@ -254,6 +261,7 @@ def build_manifest(
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(manifest.to_json())
     os.replace(tmp, cache)
+    logger.info("Manifest of %s hashed: %.2f s", root, time.perf_counter() - began)
     return manifest, root
 
 

@@ -1,10 +1,11 @@
 """Serving template chunks to peers: every worker has one :class:`TemplateStore`.
 
 The store (``worker.extensions["dask-pcm-templates"]``) knows the templates the worker holds
-complete, and the copies it is still assembling; it registers the comm handler
-``pcm_template_chunk`` (:data:`dask_pcm.protocol.CHUNK_OP`), which answers ``(digest, index)``
-with that chunk read from disk, at most ``pcm.template.max-uploads`` at once (the others wait
-their turn). A chunk is sent as its own frame (no copy into the message, never pickled).
+complete (and holds its use of each local copy until the worker closes:
+:class:`~dask_pcm.templates.local.CopyUse`), and the copies it is still assembling; it
+registers the comm handler ``pcm_template_chunk`` (:data:`dask_pcm.protocol.CHUNK_OP`), which
+answers ``(digest, index)`` with that chunk read from disk, at most
+``pcm.template.max-uploads`` at once (the others wait their turn). A chunk is sent as its own frame (no copy into the message, never pickled).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dask_pcm.templates.manifest import Manifest, TemplateWriter, map_chunk
 if TYPE_CHECKING:
     from distributed import Worker
 
+    from dask_pcm.templates.local import CopyUse
+
 EXTENSION = "dask-pcm-templates"
 
 
@@ -33,6 +36,7 @@ class TemplateStore:
         self.worker = worker
         self.held: dict[str, tuple[Path, Manifest]] = {}
         self.partial: dict[str, TemplateWriter] = {}
+        self._uses: dict[str, CopyUse] = {}
         limit = max_uploads or int(config.get("template.max-uploads"))
         self._uploads = asyncio.Semaphore(limit)
         self.max_uploads = limit
@@ -49,10 +53,23 @@ class TemplateStore:
             store = worker.extensions[EXTENSION] = cls(worker)
         return store
 
-    def add(self, root: str | Path, manifest: Manifest) -> None:
-        """Offer the complete template at ``root`` to peers."""
+    def add(self, root: str | Path, manifest: Manifest, use: CopyUse | None = None) -> None:
+        """Offer the complete template at ``root`` to peers; ``use``, this worker's use of
+        that copy, is held until the worker closes (one per template)."""
         self.held[manifest.digest] = (Path(root), manifest)
         self.partial.pop(manifest.digest, None)
+        if use is not None:
+            kept = self._uses.setdefault(manifest.digest, use)
+            if kept is not use:
+                use.release()  # one is held already: the copy stays
+
+    async def close(self) -> None:
+        """The worker closes: let go of its local copies (the host's last user removes each;
+        in a thread: it waits for the copy's lock, and removing gigabytes takes a while)."""
+        uses, self._uses = self._uses, {}
+        self.held.clear()
+        for use in uses.values():
+            await asyncio.to_thread(use.release)
 
     def add_partial(self, writer: TemplateWriter) -> None:
         """Offer the chunks a template being assembled already has (its writer's staging)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm.protocol import EVICTED, READY
+from dask_pcm.worker import preimport
 from dask_pcm.worker.device import describe_device, size_of
 from dask_pcm.worker.lifecycle import Lifecycle
 
@@ -67,6 +68,7 @@ class Holder:
         context without files); counted."""
         life = self.lifecycle
         start = time.perf_counter()
+        preimport.wait()  # no import of the same modules in two threads at once
         value = self.context.loader(life.get("location"))
         elapsed = time.perf_counter() - start
         life.add(loads=1, load_seconds=elapsed)

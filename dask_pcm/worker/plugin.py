@@ -6,8 +6,9 @@ scheduler (and keeps heartbeating) while a model loads for minutes; tasks that n
 context wait for it instead (see :mod:`dask_pcm.tasks`). The work itself runs in that thread,
 never on the event loop: the template copy first (:mod:`dask_pcm.worker.template`; outside
 the host's load slot, since it waits on the network), then what the level prepares
-(:mod:`dask_pcm.worker.levels`: a table of flags this plugin reads) inside a host-wide slot,
-so that at most ``pcm.worker.load-concurrency`` loads run at once per host.
+(:mod:`dask_pcm.worker.levels`: a table of flags this plugin reads), inside a host-wide slot
+where one protects something (:func:`load_slot`), so that at most
+``pcm.worker.load-concurrency`` such loads run at once per host.
 
 The context's state changes only through its :class:`~dask_pcm.worker.lifecycle.Lifecycle`,
 which refuses a transition its level does not allow and is the one writer of the status
@@ -23,6 +24,7 @@ a joining worker would otherwise only be logged (distributed#6906); here it beco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +39,7 @@ from dask_pcm.exceptions import (
     ContextTimeoutError,
     TemplateFetchError,
 )
+from dask_pcm.gpus import visible_gpus
 from dask_pcm.loaders.model import build_for_one_task
 from dask_pcm.locks import host_slot
 from dask_pcm.protocol import (
@@ -80,6 +83,18 @@ def explain(exc: BaseException, template: str | None, location: str | None) -> s
     if template and location != template:
         return f"{text} (building from {location!r}, this worker's copy of {template!r})"
     return f"{text} (building from {location!r})"
+
+
+def load_slot(reads_source: bool) -> contextlib.AbstractContextManager[Any]:
+    """The host-wide slot a build takes (``pcm.worker.load-concurrency`` per host): on a
+    worker that sees a GPU (loads stage the model in host memory and fill the device: two at
+    once can run either out), and for builds that read the template's source (level
+    ``agnostic``: the shared filesystem). A CPU-only worker building from its local copy
+    takes none: its load protects nothing from another's, and taking turns only delays the
+    second worker."""
+    if reads_source or visible_gpus():
+        return host_slot("context-load", int(config.get("worker.load-concurrency")))
+    return contextlib.nullcontext()
 
 
 class ContextPlugin(WorkerPlugin):
@@ -216,7 +231,7 @@ class ContextPlugin(WorkerPlugin):
                 self.template.copy()
             if level.resident:  # rebuilt after an eviction: loading already
                 self.lifecycle.move(LOADING, only_from=(FETCHING,))
-            with host_slot("context-load", int(config.get("worker.load-concurrency"))):
+            with load_slot(level.reads_source_per_task):
                 if self.lifecycle.closed:
                     return False
                 if level.resident:

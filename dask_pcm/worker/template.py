@@ -4,8 +4,13 @@
 built from: a model, or any tree of files; none for a context with ``template=None``):
 
 - :meth:`~WorkerTemplate.copy` (levels ``full`` and ``partial``): copy it chunk by chunk into
-  ``pcm.worker.template-directory`` (one copy per host and template:
-  :func:`dask_pcm.templates.local.local_copy`) and serve it to peers. A template that
+  ``pcm.worker.template-directory`` (one copy per folder and template, shared by the workers
+  that use the folder) and serve it to peers. A copy in the workers' scratch space (the
+  default folders) is removed by the last worker of the host that used it, when it closes
+  (:func:`dask_pcm.templates.local.use_copy`; the worker's
+  :class:`~dask_pcm.templates.serve.TemplateStore` holds its use), as distributed removes a
+  worker's own folder; one in a folder of the user's choosing stays for the next run
+  (:func:`~dask_pcm.templates.local.local_copy`). A template that
   :func:`dask_pcm.register` could hash (a local path, the embedded model) comes with its
   manifest and is copied from peers, else the source; one it could not (a hub id) is listed
   and hashed here and copied from the source, through the same path;
@@ -23,13 +28,14 @@ import asyncio
 import concurrent.futures
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config
 from dask_pcm.exceptions import TemplateFetchError
 from dask_pcm.templates.fetch import Planner, SourcePlanner, fetch
-from dask_pcm.templates.local import local_copy
+from dask_pcm.templates.local import CopyUse, local_copy, use_copy
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.reader import source_reader
 from dask_pcm.templates.report import FetchReport
@@ -105,13 +111,24 @@ class WorkerTemplate:
             manifest, _ = build_manifest(self.files())
             planner = SourcePlanner()
         store = TemplateStore.of(self.worker)
-        dest = local_copy(
-            self.directory,
-            manifest,
-            lambda dest: self._fetch(manifest, dest, planner),
-            trusted=manifest.digest in store.held,
+        began = time.perf_counter()
+        make = lambda dest: self._fetch(manifest, dest, planner)  # noqa: E731
+        trusted = manifest.digest in store.held
+        use: CopyUse | None = None
+        scratch = Path(self.worker.local_directory).resolve().parent
+        if self.directory.resolve().is_relative_to(scratch):
+            use = use_copy(self.directory, manifest, make, trusted=trusted)
+            dest = use.dest
+        else:
+            dest = local_copy(self.directory, manifest, make, trusted=trusted)
+        logger.info(
+            "Template of %r on %s: local copy %s ready in %.2f s",
+            self.context,
+            self.lifecycle.get("worker"),
+            dest,
+            time.perf_counter() - began,
         )
-        store.add(dest, manifest)
+        store.add(dest, manifest, use)
         location = str(dest / manifest.entry) if manifest.entry else str(dest)
         self.lifecycle.update(
             template_digest=manifest.digest,

@@ -6,6 +6,7 @@ process that exits)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -60,6 +61,48 @@ def test_rows_in_rows_out_keyed_by_id_with_groups_and_carried_columns(inproc_clu
     assert (shout["tokens"] > plain["tokens"].reindex(shout.index)).all()
     assert list(plain["kind"]) == ["even" if i % 2 == 0 else "odd" for i in plain.index]
     assert result.report["units"] == {"total": 12, "computed": 12, "reused": 0, "failed": 0}
+
+
+# One worker ready, the other still loading: the first build returns at once, the later
+# ones wait for the gate (module state, shared by the in-process workers of one test).
+_LOADS = {"calls": 0}
+_LOADS_LOCK = threading.Lock()
+_GATE = threading.Event()
+
+
+def _second_load_waits(location: None) -> str:
+    with _LOADS_LOCK:
+        _LOADS["calls"] += 1
+        first = _LOADS["calls"] == 1
+    if not first:
+        _GATE.wait(60)
+    return "model"
+
+
+def _uses_gated(rows):
+    assert dask_pcm.get_context("gated") == "model"
+    return [{"n": len(r["text"])} for r in rows]
+
+
+def test_a_run_starts_on_the_first_ready_worker(inproc_cluster):
+    """Units used to wait until every worker was ready: a slow second load held the first
+    unit back (seconds on a fresh cluster, two model loads in a row before the load slot
+    let CPU loads overlap)."""
+    _, client = inproc_cluster
+    try:
+        result = dask_pcm.run_batch(
+            _uses_gated, ROWS, contexts=dask_pcm.Context("gated", _second_load_waits), cluster=client,
+            rows_per_unit=4, progress=False,
+        )  # fmt: skip
+        states = dask_pcm.status(client, ["gated"]).set_index("worker")["state"]
+        assert sorted(states) == ["loading", "ready"]  # the other was loading all along
+        assert result.report["units"]["computed"] == 10
+        assert len(result.to_pandas()) == len(ROWS)
+        tasks = {w["worker"]: w["tasks"] for w in result.report["workers"]}
+        assert tasks[states[states == "loading"].index[0]] == 0
+    finally:
+        _GATE.set()
+    dask_pcm.unregister(client, "gated")
 
 
 def test_a_failing_unit_is_recorded_the_run_goes_on_and_a_rerun_retries_only_it(

@@ -80,3 +80,43 @@ def test_a_worker_killed_while_its_context_loads_does_not_fail_register():
         assert time.monotonic() - start < 60
         ready = table[table["state"] == "ready"]
         assert survivor in set(ready["worker"]) and victim not in set(table["worker"])
+
+
+def _preimported() -> list[str]:
+    """On a worker: the heavy modules imported once its preimport thread is done."""
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "dask-pcm-preimport":
+            thread.join(timeout=120)
+    return [name for name in ("torch", "transformers") if name in sys.modules]
+
+
+def _copies(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def test_workers_of_one_host_share_one_template_copy_and_import_torch_as_they_start(
+    tiny_model_dir, tmp_path
+):
+    """Each worker used to copy the template into its own folder (538 MB, 2.4 s each for the
+    embedded model) and to import torch and transformers only when the context arrived."""
+    from dask_pcm.templates.manifest import build_manifest
+
+    shared = tmp_path / "dask-scratch-space" / "pcm-templates"
+    with (
+        dask.config.set({"temporary-directory": str(tmp_path)}),
+        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2)
+        # No context yet: the workers imported torch and transformers on their own.
+        assert list(client.run(_preimported).values()) == [["torch", "transformers"]] * 2
+        table = dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny"))
+        assert list(table["state"]) == ["ready", "ready"]
+        assert table["location"].nunique() == 1
+        assert _copies(shared) == [os.path.basename(table["location"].iloc[0])]
+        fetched = sorted(table["bytes_from_source"] + table["bytes_from_peers"])
+        assert fetched == [0, build_manifest(tiny_model_dir)[0].total_bytes]  # one copy made
+    assert _copies(shared) == []  # removed by its last user, as the workers' own folders are

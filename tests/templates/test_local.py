@@ -1,5 +1,6 @@
 """One local copy per host and template: made once, reused after verification, remade when
-damaged, with leftovers of dead processes removed (dask_pcm.templates.local)."""
+damaged, with leftovers of dead processes removed, read once by joiners that waited for it,
+removed by its last user (dask_pcm.templates.local)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 import dask
 import pytest
 
-from dask_pcm.templates.local import local_copy
+from dask_pcm.templates import local
+from dask_pcm.templates.local import local_copy, use_copy
 from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, TemplateWriter, build_manifest
 from dask_pcm.templates.reader import SourceReader
 from tests.conftest import run_in_threads
@@ -96,6 +98,46 @@ def test_two_threads_at_once_make_one_intact_copy(template, tmp_path):
     assert make.calls == 1
     assert results[0] == results[1]
     assert _same_files(manifest, results[0], root)
-    # one copy, no leftovers: the folder and its lock file
+    # one copy, no leftovers: the folder, its lock file and its stamp
     names = sorted(p.name for p in (tmp_path / "templates").iterdir())
-    assert names == sorted([results[0].name, f".{results[0].name}.lock"])
+    name = results[0].name
+    assert names == sorted([name, f".{name}.lock", f".{name}.verified"])
+
+
+def test_joiners_that_wait_for_a_copy_read_it_once(template, tmp_path, monkeypatch):
+    """Workers of a host joining at once: one makes the copy (or checks the one it found),
+    the others waited for the lock meanwhile and trust it; a later joiner reads it again."""
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    checks: list[Path] = []
+
+    def counted(dest, manifest):
+        checks.append(dest)
+        return verify(dest, manifest)
+
+    verify = local.verify_copy
+    monkeypatch.setattr(local, "verify_copy", counted)
+    uses = []
+    assert run_in_threads(lambda: uses.append(use_copy(tmp_path / "t", manifest, make)), 3) == []
+    assert (make.calls, checks) == (1, [])  # made once, read by nobody again
+    assert len({u.dest for u in uses}) == 1
+    found = run_in_threads(lambda: uses.append(use_copy(tmp_path / "t", manifest, make)), 3)
+    assert found == []
+    assert (make.calls, len(checks)) == (1, 1)  # found complete: checked once, by one of three
+    for use in uses:
+        use.release()
+
+
+def test_the_last_user_of_a_copy_removes_it(template, tmp_path):
+    manifest, root = template
+    make = _FromSource(manifest, root)
+    first = use_copy(tmp_path / "t", manifest, make)
+    second = use_copy(tmp_path / "t", manifest, make)
+    assert first.release() is False  # the other worker still builds from it
+    assert first.release() is False  # idempotent
+    assert (second.dest / MANIFEST_NAME).is_file()
+    assert second.release() is True
+    assert not second.dest.exists()
+    again = use_copy(tmp_path / "t", manifest, make)  # a later worker makes it again
+    assert make.calls == 2 and _same_files(manifest, again.dest, root)
+    again.release()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -387,6 +388,39 @@ def test_host_slots_bound_concurrency():
     for t in threads:
         t.join()
     assert peak[0] == 2
+
+
+def test_a_cpu_only_host_builds_two_contexts_at_once(monkeypatch, tmp_path):
+    """Two CPU loads from local copies take no turns (the second worker waited a whole
+    load before); a worker that sees a GPU, or a build reading the source, takes the slot."""
+    import fcntl
+
+    from dask_pcm.worker import plugin
+
+    monkeypatch.setattr(plugin, "visible_gpus", lambda: [])
+    both_in = threading.Barrier(2, timeout=30)
+
+    def load() -> None:
+        with plugin.load_slot(reads_source=False):
+            both_in.wait()  # broken (an error) if one load waited for the other
+
+    with dask.config.set({"pcm.lock-directory": str(tmp_path)}):
+        threads = [threading.Thread(target=load) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not both_in.broken
+
+        for gpus, reads_source in ((["0"], False), ([], True)):
+            monkeypatch.setattr(plugin, "visible_gpus", lambda gpus=gpus: gpus)
+            with plugin.load_slot(reads_source=reads_source):
+                fd = os.open(tmp_path / "context-load.0.lock", os.O_RDWR)
+                try:
+                    with pytest.raises(BlockingIOError):  # held: the next load waits
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                finally:
+                    os.close(fd)
 
 
 def test_registering_the_same_context_again_keeps_it_resident(cluster):
