@@ -565,29 +565,60 @@ PREFIX: list[Column] = [
     ("claims_per_second_with", "with claims/s", ".2f"),
     ("ratio_text", "ratio", "r"),
     ("range", f"min{DASH}max (95 % interval)", "r"),
+    ("bound_text", "bound", "r"),
+    ("rate_text", "positions/s with / w/o", "r"),
     ("task_ratio", "task ratio", ".2f"),
     ("target_text", "target", ""),
     ("prefix_ms", "prefix ms", ".0f"),
 ]
 
 
+def scoring_rows(src: Loaded) -> list[dict[str, Any]]:
+    """prefix.py's rows of scoring (all of them before it had a generation section)."""
+    return [r for r in src.rows if r.get("section", "logits") == "logits"]
+
+
 def _prefix(folder: Path) -> Block:
     src = load_stamped("prefix", folder)
     rows = []
-    for r in src.rows:
+    for r in scoring_rows(src):
         target, ratio = r.get("target"), num(r["ratio"])
+        low = r.get("target_low")
+        goal = (
+            "" if target is None else f"≥ {target:g}" + ("" if low is None else f", low ≥ {low:g}")
+        )
         rows.append(
             {
                 **r,
                 "ratio_text": ratio if target is None else bold(ratio),  # a target's ratio
                 "range": f"{span(r['ratio_min'], r['ratio_max'])} "
                 f"({span(r['ratio_low'], r['ratio_high'])})",
+                # Before issue 32 the rows had neither (the per-position rate, the bound).
+                "bound_text": num(r["bound"]) if "bound" in r else "",
+                "rate_text": num(r["rate_ratio"]) if "rate_ratio" in r else "",
                 "target_text": ""
                 if target is None
-                else f"≥ {target:g} {'met' if r['target_met'] else 'missed'}",
+                else f"{goal} {'met' if r['target_met'] else 'missed'}",
             }
         )
-    return Block(columns_table(rows, PREFIX), [src])
+    text = columns_table(rows, PREFIX)
+    generation = [r for r in src.rows if r.get("section") == "generate"]
+    if generation:
+        g = generation[0]
+        same = "identical" if not g["changed_texts"] else f"{g['changed_texts']} changed"
+        text += "\n\n" + table(
+            ["generation", "w/o claims/s", "with claims/s", "ratio (95 % interval)", "target",
+             "greedy texts"],
+            [[
+                f"{g['template']}, {g['new_tokens']} new tokens",
+                num(g["claims_per_second_without"]), num(g["claims_per_second_with"]),
+                f"{bold(num(g['ratio']))} ({span(g['ratio_low'], g['ratio_high'])})",
+                f"≥ {g['target']:g} {'met' if g['target_met'] else 'missed'}",
+                f"{same} ({g['texts']} per round)",
+            ]],
+            "lrrrll",
+        )  # fmt: skip
+    return Block(text, [src])
 
 
 # The issue's goals for paper_scale.py, as its `goals` states them: requirements, not results.
@@ -775,7 +806,7 @@ def levels_efficiency(lv: Loaded) -> tuple[Figure, int]:
 
 def prefix_ratio(px: Loaded, template: str) -> Figure:
     """claims/s with the template's prefix kept over without, for one built-in template."""
-    r = pick(px.rows, template=template)
+    r = pick(scoring_rows(px), template=template)
     return Figure(r["ratio"], r["ratio_low"], r["ratio_high"], r["repeats"])
 
 
@@ -838,7 +869,7 @@ def _summary(folder: Path) -> Block:
             ", ".join(
                 f"{t} {show(prefix_ratio(px, t), strong=True)}"
                 for t in ("few-shot", "chat-few-shot", "direct")
-                if any(r["template"] == t for r in px.rows)
+                if any(r["template"] == t for r in scoring_rows(px))
             ),
         ],
         [

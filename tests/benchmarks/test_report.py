@@ -258,3 +258,30 @@ def test_every_generated_table_in_the_repository_is_checked() -> None:
             marked.add(path)
     assert marked == set(report.MARKDOWN)
     assert report.check(), "stale benchmark tables: run python benchmarks/report.py"
+
+
+def test_the_prefix_block_shows_the_bound_and_the_generation_section(tmp_path: Path) -> None:
+    scoring = {
+        "template": "few-shot", "prompt_tokens": 83.2, "prefix": "69", "run_tokens_without": 88.8,
+        "run_tokens_with": 14.6, "claims_per_second_without": 6.0, "claims_per_second_with": 27.0,
+        "ratio": 4.5, "ratio_min": 4.2, "ratio_max": 4.8, "ratio_low": 4.0, "ratio_high": 5.0,
+        "bound": 6.08, "rate_ratio": 0.74, "task_ratio": 4.6, "target": 4.0, "target_low": 3.5,
+        "target_met": True, "prefix_ms": 300.0, "section": "logits", "repeats": 3,
+    }  # fmt: skip
+    generation = {
+        "template": "few-shot", "section": "generate", "new_tokens": 8, "ratio": 2.4,
+        "ratio_low": 2.1, "ratio_high": 2.7, "claims_per_second_without": 2.0,
+        "claims_per_second_with": 4.8, "target": 2.0, "target_met": True, "changed_texts": 0,
+        "texts": 64, "repeats": 3,
+    }  # fmt: skip
+    stamped = {"meta": META, "rows": [scoring, generation], "summary": None}
+    _write(tmp_path / "prefix-2026-12-03.json", stamped)
+
+    text = report.GENERATORS["prefix"](tmp_path).table
+
+    assert "| few-shot | 83.2 | 69 | 88.8 | 14.6 | 6.00 | 27.00 | **4.50** |" in text
+    assert "| 6.08 | 0.74 | 4.60 | ≥ 4, low ≥ 3.5 met | 300 |" in text
+    assert "| few-shot, 8 new tokens | 2.00 | 4.80 | **2.40** (2.10\u20132.70) | ≥ 2 met |" in text
+    assert "identical (64 per round)" in text
+    # The summary's figure is the scoring row's, not the generation's.
+    assert report.prefix_ratio(report.load("prefix", tmp_path), "few-shot").median == 4.5
