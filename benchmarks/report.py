@@ -621,6 +621,44 @@ def _prefix(folder: Path) -> Block:
     return Block(text, [src])
 
 
+# startup.py's figures in the order of a run, with what each is (its docstring says more).
+_STARTUP = [
+    ("cluster_at", "dashboard link printed (cluster started)"),
+    ("manifest_seconds", "manifest of the template (client; cached)"),
+    ("imports_seconds", "`import torch` and `import transformers` (slower worker)"),
+    ("copy_seconds", "template copy, until verified (slower worker)"),
+    ("from_pretrained_seconds", "`from_pretrained` (slower worker)"),
+    ("warm_up_seconds", "warm-up pass (slower worker)"),
+    ("first_ready_at", "first worker with the model ready"),
+    ("last_ready_at", "last worker with the model ready"),
+    ("first_unit_at", "first unit back"),
+    ("last_unit_at", "last unit back"),
+    ("seconds", "whole command"),
+]
+# The issue's targets (issue 32): first unit back, whole run.
+_STARTUP_TARGETS = {"first_unit_at": 15.0, "seconds": 35.0}
+
+
+def _startup(folder: Path) -> Block:
+    src = load_stamped("startup", folder)
+    body = []
+    for name, what in _STARTUP:
+        at = "at" if name.endswith("_at") else "took"
+        try:
+            shown = show(figure(src, figure=name), ".1f", strong=name in _STARTUP_TARGETS)
+        except ReportError:
+            shown = "not logged"
+        target = _STARTUP_TARGETS.get(name)
+        met = ""
+        if target is not None:
+            met = f"≤ {target:g} s " + ("met" if medians(src.rows, name) <= target else "missed")
+        body.append([what, at, shown, met])
+    loads = [r["load_average"] for r in src.rows]
+    text = table(["step", "", "seconds", "target"], body, "llrl")
+    text += f"\n\n1-minute load average after each run: {min(loads):.1f}{DASH}{max(loads):.1f}."
+    return Block(text, [src])
+
+
 # The issue's goals for paper_scale.py, as its `goals` states them: requirements, not results.
 _PAPER_GOALS = {"ratio": 0.7, "files": 1000, "rss_mb": 2048, "recompute_pct": 1.0}
 
@@ -951,6 +989,7 @@ RUNS = {
     "scheduler-overhead": "scheduler_overhead.py",
     "prefix": "prefix.py",
     "paper-scale": "paper_scale.py",
+    "startup": "startup.py",
 }
 
 
@@ -1005,6 +1044,7 @@ GENERATORS: dict[str, Generator] = {
     "scheduler-overhead": _scheduler_overhead,
     "prefix": _prefix,
     "paper-scale": _paper_scale,
+    "startup": _startup,
     "fever-accuracy": _fever_accuracy,
     "runs": _runs,
 }

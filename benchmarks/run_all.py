@@ -43,6 +43,7 @@ SCRIPTS = {
     "scheduler_overhead": "scheduler_overhead.py",  # what the scheduler plugin costs
     "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
     "paper_scale": "paper_scale.py",  # issue 19: 145,449 claims x 10 templates
+    "startup": "startup.py",  # issue 32: time to first result of a fresh dask-pcm fever
 }
 
 COLUMNS = [
