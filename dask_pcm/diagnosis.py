@@ -158,8 +158,12 @@ def _compare_with_cpu(report: WorkerReport, lm: Any, model: str | None) -> None:
 async def _examine_on_worker(
     model: str | None, device: str, dtype: str, compare: bool, dask_worker: Any = None
 ) -> dict[str, Any]:
+    from dask_pcm.worker import preimport
+
     # A thread, not the event loop: a load takes seconds, and the worker must keep
-    # heartbeating meanwhile.
+    # heartbeating meanwhile. First the worker's preimport of torch and transformers, if one
+    # runs: two threads importing transformers at once fail.
+    await asyncio.to_thread(preimport.wait)
     report = await asyncio.to_thread(examine, model, device, dtype, compare)
     report.worker = dask_worker.address
     return asdict(report)
