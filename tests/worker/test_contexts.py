@@ -304,26 +304,6 @@ def test_closing_worker_frees_its_context_before_close_returns():
     assert not any("_release" in name for name in RELEASING_THREADS), RELEASING_THREADS
 
 
-INTERVALS: list[tuple[float, float]] = []
-
-
-class RecordingLoader:
-    def __call__(self, location: str) -> int:
-        start = time.perf_counter()
-        time.sleep(0.3)
-        INTERVALS.append((start, time.perf_counter()))
-        return 1
-
-
-def test_one_load_per_host_at_a_time(cluster):
-    _, client = cluster
-    INTERVALS.clear()
-    dask_pcm.register(client, dask_pcm.Context("rec", RecordingLoader()))
-    assert len(INTERVALS) == 2
-    (_, first_end), (second_start, _) = sorted(INTERVALS)
-    assert second_start >= first_end  # the second load started after the first ended
-
-
 def test_decorator_works_with_plain_submit_and_delayed(cluster):
     _, client = cluster
     dask_pcm.register(client, dask_pcm.Context("rel", ReleasingLoader(), template="t"))
