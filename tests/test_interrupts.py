@@ -20,7 +20,7 @@ def test_import_leaves_ctrl_c_to_python():
     """dask-jobqueue's runner module, imported by ``import dask_pcm`` before 7acc781, replaced
     the SIGINT handler with ``lambda *_: sys.exit()``: Ctrl-C exited 0, with no unwinding."""
     check = (
-        "import signal, sys, dask_pcm\n"
+        "import signal, sys, dask_pcm, dask_pcm.deploy\n"
         "assert dask_pcm.deploy.KINDS\n"
         "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
         "signal.getsignal(signal.SIGINT)\n"
