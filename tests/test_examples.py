@@ -75,6 +75,7 @@ def _every_row_once(out: Path) -> pd.DataFrame:
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
 def test_generate_jsonl_killed_part_way_resumes_with_every_row_once(tiny_model_dir, tmp_path):
     out, env = tmp_path / "answers", _environment(tmp_path)
     cmd = [
@@ -90,6 +91,7 @@ def test_generate_jsonl_killed_part_way_resumes_with_every_row_once(tiny_model_d
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
 def test_embed_corpus_killed_part_way_resumes_with_every_row_once(tmp_path):
     out, env = tmp_path / "embeddings", _environment(tmp_path)
     cmd = [

@@ -212,6 +212,7 @@ def test_a_running_scheduler_keeps_the_model_between_runs(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
 def test_a_run_killed_midway_then_run_again_answers_each_request_once(tiny_model_dir, tmp_path):
     path = tmp_path / "requests.jsonl"
     requests = [

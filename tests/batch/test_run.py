@@ -198,6 +198,7 @@ def _crash_on_poison(rows, log):
     return [{"n": len(r["text"])} for r in rows]
 
 
+@pytest.mark.soak  # 30-80 s: a worker killed four times
 def test_a_row_that_kills_its_worker_costs_that_row_only(process_cluster, llm, tmp_path):
     """It used to cost the whole run: KilledWorker after allowed-failures + 1 worker deaths
     per submission, three submissions, then a raw traceback; neighbours failed with it."""
