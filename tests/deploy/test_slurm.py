@@ -166,7 +166,9 @@ def test_a_job_reaching_its_signal_time_retires_gracefully(tmp_path, tiny_model_
             assert client.gather(queued) == [i * i for i in range(10, 110)]
             ran = sorted(int(x) for x in log.read_text().split())
             assert ran == [0, 1, *range(10, 110)]  # every task once
-            other_address = next(iter(client.scheduler_info()["workers"]))
+            # The watchdog may have started a replacement job meanwhile: find "other" by name.
+            workers = client.scheduler_info()["workers"]
+            other_address = next(a for a, w in workers.items() if w["name"] == "other")
             assert client.who_has(held)[held[0].key] == (other_address,)
         finally:
             other.terminate()
