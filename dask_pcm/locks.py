@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,3 +111,16 @@ def host_slot(name: str, slots: int = 1) -> Iterator[int]:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+#: Set while no background import of heavy modules runs in this process (the worker
+#: preimport, :mod:`dask_pcm.worker.preimport`, clears it while it imports torch and
+#: transformers). Two threads importing transformers at once fail ("partially initialized
+#: module"): whatever imports them on a worker waits for it first.
+IMPORTS_DONE = threading.Event()
+IMPORTS_DONE.set()
+
+
+def wait_for_imports(timeout: float | None = None) -> bool:
+    """Block until no background preimport runs in this process; whether none does."""
+    return IMPORTS_DONE.wait(timeout)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dask_pcm import config
+from dask_pcm import config, locks
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError
 from dask_pcm.loaders.gpu import (
     BATCH_MEMORY_FRACTION,
@@ -112,6 +112,7 @@ class CausalLM:
         model = None
         began = time.perf_counter()
         try:
+            locks.wait_for_imports()  # a worker's preimport of torch and transformers
             import torch
             from transformers.utils import logging as hf_logging
 

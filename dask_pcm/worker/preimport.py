@@ -24,17 +24,16 @@ import threading
 import time
 from typing import Any
 
-from dask_pcm import config
+from dask_pcm import config, locks
 
 logger = logging.getLogger(__name__)
 
-_DONE = threading.Event()
-_DONE.set()  # nothing being imported
+_DONE = locks.IMPORTS_DONE  # set: nothing being imported
 
 
 def wait(timeout: float | None = None) -> bool:
     """Block until the preimport (if one runs in this process) is done; whether it is."""
-    return _DONE.wait(timeout)
+    return locks.wait_for_imports(timeout)
 
 
 def preimport(modules: list[str]) -> threading.Thread:
