@@ -142,6 +142,28 @@ def one_host_batch_cluster(kind: str, tmp_path: Path, workers: int, **kwargs: An
     return dask_pcm.batch_cluster(kind, **{**options, **kwargs})
 
 
+def fever_cli_on_jobs(kind: str, tmp_path: Path, model: Path) -> dict[str, Any]:
+    """``dask-pcm fever --cluster <kind> --workers 2`` on this host's one-host batch system,
+    worker jobs from dask-jobqueue's configuration (environment); the run's report, after
+    checking it computed its 6 units once on at most two workers."""
+    import json
+
+    section = f"DASK_JOBQUEUE__{kind.upper()}__"
+    env = dict(os.environ)
+    env.update({f"{section}CORES": "1", f"{section}MEMORY": "2GB", f"{section}INTERFACE": "lo",
+                f"{section}LOG_DIRECTORY": str(tmp_path / "logs")})  # fmt: skip
+    out = tmp_path / "run.json"
+    cmd = ["dask-pcm", "fever", "--cluster", kind, "--workers", "2", "--model", str(model)]
+    cmd += ["--num-templates", "2", "--claims-per-task", "10", "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())["report"]
+    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
+    assert 1 <= len(report["workers"]) <= 2
+    assert sum(w["tasks"] for w in report["workers"]) == 6
+    return report
+
+
 def job_of(cluster: Any, client: Client, address: str) -> str:
     """The batch job id of the worker at ``address``."""
     name = client.scheduler_info()["workers"][address]["name"]

@@ -27,6 +27,7 @@ from dask_pcm.fever.templates import BUILTIN_TEMPLATES
 from dask_pcm.testing.tasks import noted_square
 from tests.conftest import (
     assert_handed_back,
+    fever_cli_on_jobs,
     job_of,
     load_the_victim,
     one_host_batch_cluster,
@@ -170,33 +171,7 @@ def test_qdel_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_di
 
 def test_cli_runs_fever_on_grid_engine_jobs(tmp_path, tiny_model_dir):
     """``dask-pcm fever --cluster sge``: worker jobs from dask-jobqueue's configuration."""
-    import json
-
-    env = dict(
-        os.environ,
-        DASK_JOBQUEUE__SGE__CORES="1",
-        DASK_JOBQUEUE__SGE__MEMORY="2GB",
-        DASK_JOBQUEUE__SGE__INTERFACE="lo",
-        DASK_JOBQUEUE__SGE__LOG_DIRECTORY=str(tmp_path / "logs"),
-    )
-    out = tmp_path / "run.json"
-    cmd = [
-        "dask-pcm",
-        "fever",
-        "--cluster",
-        "sge",
-        "--workers",
-        "2",
-        "--model",
-        str(tiny_model_dir),
-    ]
-    cmd += ["--num-templates", "2", "--claims-per-task", "10", "--json", str(out)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())["report"]
-    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
-    assert 1 <= len(report["workers"]) <= 2
-    assert sum(w["tasks"] for w in report["workers"]) == 6
+    fever_cli_on_jobs("sge", tmp_path, tiny_model_dir)
     # The run deleted its jobs when it ended (they may still be leaving: state "dr").
     jobs = subprocess.run(["qstat"], capture_output=True, text=True).stdout.splitlines()[2:]
     assert all("d" in line.split()[4] for line in jobs), jobs

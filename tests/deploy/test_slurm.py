@@ -15,6 +15,7 @@ import dask_pcm
 from dask_pcm.testing.tasks import noted_square
 from tests.conftest import (
     assert_handed_back,
+    fever_cli_on_jobs,
     job_of,
     load_the_victim,
     one_host_batch_cluster,
@@ -106,25 +107,7 @@ def test_fever_runs_on_slurm_jobs_every_row_once(tmp_path, tiny_model_dir):
 
 def test_cli_runs_fever_on_slurm_jobs(tmp_path, tiny_model_dir):
     """``dask-pcm fever --cluster slurm``: worker jobs from dask-jobqueue's configuration."""
-    import json
-    import os
-
-    env = dict(
-        os.environ,
-        DASK_JOBQUEUE__SLURM__CORES="1",
-        DASK_JOBQUEUE__SLURM__MEMORY="2GB",
-        DASK_JOBQUEUE__SLURM__INTERFACE="lo",
-        DASK_JOBQUEUE__SLURM__LOG_DIRECTORY=str(tmp_path / "logs"),
-    )
-    out = tmp_path / "run.json"
-    cmd = ["dask-pcm", "fever", "--cluster", "slurm", "--workers", "2"]
-    cmd += ["--model", str(tiny_model_dir), "--num-templates", "2", "--claims-per-task", "10"]
-    done = subprocess.run([*cmd, "--json", str(out)], env=env, capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())["report"]
-    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
-    assert sum(w["tasks"] for w in report["workers"]) == 6
+    fever_cli_on_jobs("slurm", tmp_path, tiny_model_dir)
     # The run cancelled its jobs when it ended (completing ones may still be listed).
     wait_for(lambda: all(" COMPLETING" in j or not j for j in _our_jobs()), 30, "the jobs to end")
 
