@@ -34,13 +34,16 @@ import psutil
 from distributed import Client
 
 import dask_pcm
+from dask_pcm import config as pcm_config
 from dask_pcm.templates.manifest import build_manifest
 
 DEFAULT_LINK = 24.0  # Mbit/s
-# 17 chunks of the 12 MB template (its files are cut apart), about as the embedded model's 9
-# of 64 MiB; finer
-# chunks pay a directory round trip each, which a loaded 2-core machine makes slow.
-CHUNK = "1 MiB"
+# Chunks of 512 KiB: 28 of the 12 MB template (its files are cut apart). A chunk's way from
+# the source through N hosts costs about log2(N) chunk times over a link, so the tail
+# shrinks with the chunk; but every chunk costs directory round trips to the scheduler,
+# which a loaded 2-core machine makes slow (256 KiB under load: p2p at N=1 took 6.9 s where
+# the source alone took 3.9 s).
+CHUNK_MIB = 0.5
 MODES = ("source", "p2p")
 
 COLUMNS = [
@@ -83,16 +86,22 @@ def _register(client: Client, model: str, level: str) -> float:
     return seconds
 
 
-def _network(n: int, link: float, mode: str) -> Any:
+def _network(n: int, link: float, mode: str, chunk_mib: float) -> Any:
     from dask_pcm.testing.hosts import Network
 
     rate = link * 1e6 / 8
     settings = {
-        "pcm.template.chunk-size": CHUNK,
+        "pcm.template.chunk-size": int(chunk_mib * (1 << 20)),
         "pcm.template.source-bandwidth": int(rate),
         "pcm.template.peer-to-peer": mode != "source",
     }
     return Network(hosts=n, link=link, settings=settings), settings
+
+
+def _environ() -> dict[str, str]:
+    """Workers import this folder's modules (the warm-up), from wherever this runs."""
+    paths = [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def _workers(net: Any, client: Client, address: str, hosts: list, model: str) -> float:
@@ -102,7 +111,7 @@ def _workers(net: Any, client: Client, address: str, hosts: list, model: str) ->
     on 2 cores (a cost per process, not per context; every benchmark here leaves it out)."""
     start = time.perf_counter()
     for host in hosts:
-        host.start_worker(address)
+        host.start_worker(address, env=_environ())
     client.wait_for_workers(len(net.hosts), timeout=300)
     names = {host.name for host in hosts}
     mine = [
@@ -112,11 +121,11 @@ def _workers(net: Any, client: Client, address: str, hosts: list, model: str) ->
     return time.perf_counter() - start
 
 
-def broadcast(n: int, mode: str, model: str, link: float) -> dict[str, Any]:
+def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     """N hosts joining at once: the template broadcast, then the model built on each."""
     import dask
 
-    net, settings = _network(n, link, mode)
+    net, settings = _network(n, link, mode, chunk_mib)
     with (
         net,
         dask.config.set(settings),
@@ -145,11 +154,11 @@ def broadcast(n: int, mode: str, model: str, link: float) -> dict[str, Any]:
     }
 
 
-def single(model: str, link: float) -> dict[str, Any]:
+def single(model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     """One host copies the whole template from another that holds it, nothing else running."""
     import dask
 
-    net, settings = _network(1, link, "p2p")
+    net, settings = _network(1, link, "p2p", chunk_mib)
     with (
         net,
         dask.config.set(settings),
@@ -161,7 +170,7 @@ def single(model: str, link: float) -> dict[str, Any]:
         joiner = net.add_host(link=link)
         # It copies the registered template as soon as it joins: torch imported before that
         # (a preload), not beside the copy being measured.
-        joiner.start_worker(cl.scheduler_address, args=["--preload", "torch"])
+        joiner.start_worker(cl.scheduler_address, env=_environ(), args=["--preload", "torch"])
         deadline = time.monotonic() + 600
         while True:
             table = dask_pcm.status(client, ["partial"])
@@ -195,7 +204,8 @@ def run(args: argparse.Namespace) -> None:
     link = args.link if args.link is not None else DEFAULT_LINK
     sizes = [int(s) for s in (args.sizes or ("2" if args.quick else "1,2,4,8")).split(",")]
     model = h.model_path(args) if args.model else small_model()
-    manifest, _ = build_manifest(model, 1 << 20)
+    chunk_mib = args.chunk_mib or CHUNK_MIB
+    manifest, _ = build_manifest(model, int(chunk_mib * (1 << 20)))
     print(
         f"template {manifest.total_bytes / 1e6:.1f} MB in {manifest.nchunks} chunks; links "
         f"{link:g} Mbit/s each way; source {link / 8:g} MB/s shared by all hosts "
@@ -208,7 +218,11 @@ def run(args: argparse.Namespace) -> None:
     for rnd, variant in P.schedule(variants, reps, args.seed):
         mode, _, n = variant.partition("@")
         load.append(os.getloadavg()[0])
-        r = single(model, link) if mode == "single" else broadcast(int(n), mode, model, link)
+        r = (
+            single(model, link, chunk_mib)
+            if mode == "single"
+            else broadcast(int(n), mode, model, link, chunk_mib)
+        )
         rows.append({"round": rnd, **r})
         print(f"  round {rnd} {variant}: " + (
             f"{r['mbit_per_s']:.1f} Mbit/s ({r['of_link']:.2f} of the link)" if mode == "single"
@@ -230,7 +244,9 @@ def run(args: argparse.Namespace) -> None:
         seed=args.seed,
         link_mbit_per_s=link,
         template_mb=manifest.total_bytes / 1e6,
-        chunk=CHUNK,
+        chunk=f"{chunk_mib:g} MiB",
+        in_flight=pcm_config.get("template.in-flight"),
+        max_uploads=pcm_config.get("template.max-uploads"),
         load_average_during=[round(x, 2) for x in load],
     )
     held = [e for e in summary if e["metric"] == "held_seconds"]

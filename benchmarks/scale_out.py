@@ -300,8 +300,9 @@ def simulated(args: argparse.Namespace) -> None:
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1 << k for k in range(9)]
     sizes = [n for n in sizes if n <= top or args.sizes]
     template = args.template_gb * 1e9
+    args.chunk_mib = args.chunk_mib or 64
     print(
-        f"simulated: template {args.template_gb:g} GB in chunks of {args.chunk_mib} MiB, "
+        f"simulated: template {args.template_gb:g} GB in chunks of {args.chunk_mib:g} MiB, "
         f"links {args.link / 1e9:g} GB/s per worker each way, source {args.source / 1e9:g} GB/s"
     )
     rows = []
@@ -311,7 +312,7 @@ def simulated(args: argparse.Namespace) -> None:
                 n,
                 mode,
                 template_bytes=template,
-                chunk_size=args.chunk_mib << 20,
+                chunk_size=int(args.chunk_mib * (1 << 20)),
                 link=args.link,
                 source=args.source,
             )
@@ -402,7 +403,8 @@ def main() -> None:
     )
     p.add_argument("--simulate", action="store_true", help="the broadcast in simulated time")
     p.add_argument("--template-gb", type=float, default=3.4, help="--simulate: template size")
-    p.add_argument("--chunk-mib", type=int, default=64, help="--simulate: chunk size (64)")
+    p.add_argument("--chunk-mib", type=float, default=None,
+                   help="--simulate: chunk size (64); --hosts: 0.5")  # fmt: skip
     p.add_argument(
         "--link",
         type=float,

@@ -28,13 +28,15 @@ from dask_pcm import config
 
 logger = logging.getLogger(__name__)
 
-# Chunks one worker may be reading from a template's source at once, chunks all workers
-# together may be reading from it at once, and how long such a lease lasts before another
-# worker may take the chunk. Few readers at a time make the source deliver whole chunks
+# Chunks one worker may be reading from a template's source at once (all SOURCE_READS when
+# it is the only worker without the template: a reader alone then keeps the source busy
+# while it writes what it read), chunks all workers together may be reading from it at once,
+# and how long such a lease lasts before another worker may take the chunk. Few readers at a time make the source deliver whole chunks
 # early, one after another, for peers to pass on while it reads the next; many at once
-# would share its bandwidth and deliver them all at the end.
-SOURCE_LEASES = 2
-SOURCE_READS = 4
+# would share its bandwidth and deliver them all at the end (simulated, `scale_out.py
+# --simulate`: 2 and 1 brought 8 link-bound hosts within 1.2-1.5x of one, 4 and 2 within 2x).
+SOURCE_LEASES = 1
+SOURCE_READS = 2
 LEASE_SECONDS = 120.0
 # Peers offered per chunk: the least loaded first, the others in case it fails.
 PEERS_OFFERED = 3
@@ -120,7 +122,8 @@ class ChunkDirectory:
         (whole copies and partial ones) come first, the rarest first, each from the least
         loaded of its holders (then up to two others, in case it fails); a holder with
         ``max_uploads`` uploads planned is not offered until one is done. Chunks nobody holds
-        or reads get a source lease: at most :data:`SOURCE_LEASES` per worker and
+        or reads get a source lease: at most :data:`SOURCE_LEASES` per worker (all of
+        :data:`SOURCE_READS` when every other worker holds the template) and
         :data:`SOURCE_READS` per template at once. A lease lapses after
         :data:`LEASE_SECONDS` or when its worker leaves.
         """
@@ -164,11 +167,13 @@ class ChunkDirectory:
                 mine_planned[index] = offered[0]
                 load[offered[0]] += 1
         source: list[int] = []
+        # Every other worker holds a whole copy (or there is none): nobody to pass chunks to.
+        alone = not set(self.connected()) - whole - {worker}
         mine = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
             if len(peers) + len(source) >= limit:
                 break
-            if mine >= SOURCE_LEASES or len(leases) >= SOURCE_READS:
+            if mine >= (SOURCE_READS if alone else SOURCE_LEASES) or len(leases) >= SOURCE_READS:
                 break
             if index not in leases:
                 leases[index] = (worker, now + LEASE_SECONDS)

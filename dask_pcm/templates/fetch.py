@@ -247,6 +247,44 @@ class _Chunks:
         self.report.chunks_from_source += 1
 
 
+class _Reports:
+    """What a copy tells its planner (chunks held, released, lost, bad), sent in order in the
+    background: a chunk's slot is free for the next as soon as the chunk is written, not a
+    scheduler round trip later (a round trip that, on a busy link, waits behind the chunks
+    queued on it). :meth:`check` raises what a failed report raised."""
+
+    def __init__(self, planner: Planner, me: str) -> None:
+        self.planner, self.me = planner, me
+        self.last: asyncio.Future[None] | None = None
+
+    def put(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
+        self.last = asyncio.ensure_future(self._after(self.last, worker, indexes, changes))
+
+    async def _after(
+        self,
+        previous: asyncio.Future[None] | None,
+        worker: str,
+        indexes: list[int],
+        changes: dict[str, list[int]],
+    ) -> None:
+        if previous is not None:
+            await previous  # in order; after a failed one, none
+        await self.planner.have(worker, indexes, **changes)
+
+    def check(self) -> None:
+        if self.last is not None and self.last.done():
+            self.last.result()
+
+    async def flush(self) -> None:
+        if self.last is not None:
+            await self.last
+
+    async def cancel(self) -> None:
+        if self.last is not None:
+            self.last.cancel()
+            await asyncio.gather(self.last, return_exceptions=True)
+
+
 def _timeout(timeout: float | str | None) -> float | None:
     return config.fetch_timeout() if timeout == "configured" else timeout  # type: ignore[return-value]
 
@@ -258,7 +296,7 @@ async def fetch(
     source_root: str | Path | None,
     planner: Planner | None = None,
     reader: SourceReader | None = None,
-    in_flight: int = 4,
+    in_flight: int | None = None,
     timeout: float | str | None = "configured",
     report: FetchReport | None = None,
 ) -> tuple[Path, FetchReport]:
@@ -266,7 +304,8 @@ async def fetch(
 
     Runs on the worker's event loop. ``planner`` defaults to :class:`DirectoryPlanner` (or
     :class:`SourcePlanner` with ``pcm.template.peer-to-peer`` false), ``reader`` to
-    :func:`~dask_pcm.templates.reader.source_reader`, ``timeout`` to ``pcm.template.fetch-timeout``.
+    :func:`~dask_pcm.templates.reader.source_reader`, ``in_flight`` (chunks fetched at once) to
+    ``pcm.template.in-flight``, ``timeout`` to ``pcm.template.fetch-timeout``.
     ``source_root`` is the folder the manifest's files are relative to (None: peers only).
     ``report``, when given, is filled as chunks arrive (for progress), and returned.
 
@@ -279,12 +318,14 @@ async def fetch(
         peer_to_peer = config.get("template.peer-to-peer")
         planner = DirectoryPlanner(worker, manifest.digest) if peer_to_peer else SourcePlanner()
     reader = reader or source_reader()
+    in_flight = in_flight or int(config.get("template.in-flight"))
     report = FetchReport() if report is None else report
     writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
     store = TemplateStore.of(worker)
     store.add_partial(writer)  # serve what arrives, at once
     chunks = _Chunks(worker, writer, report, source_root, reader, _timeout(timeout))
     me = worker.address
+    reports = _Reports(planner, me)
 
     async def get(index: int, planned: list[str]) -> bool:
         """Chunk ``index`` from a planned peer, else (none usable) the source."""
@@ -295,21 +336,21 @@ async def fetch(
             tried = True
             outcome = await chunks.from_peer(peer, index)
             if outcome == _OK:
-                await planner.have(me, [index])
+                reports.put(me, [index])
                 return True
             # The directory stops offering this peer for this chunk (to anyone, when it
             # served bad bytes).
             bad = [index] if outcome == _CORRUPT else []
-            await planner.have(peer, [], lost=[index], bad=bad)
+            reports.put(peer, [], lost=[index], bad=bad)
         if tried:
-            await planner.have(me, [], released=[index])
+            reports.put(me, [], released=[index])
             return False  # planned again, without what failed
         try:
             await chunks.from_source(index)
         finally:
             if not planned and index in writer.missing:  # give the lease back
-                await planner.have(me, [], released=[index])
-        await planner.have(me, [index])
+                reports.put(me, [], released=[index])
+        reports.put(me, [index])
         return True
 
     running: dict[int, asyncio.Task[bool]] = {}
@@ -317,6 +358,7 @@ async def fetch(
         idle, fruitless = _FIRST_IDLE_WAIT, 0
         while writer.missing:
             chunks.check_deadline()
+            reports.check()
             free = in_flight - len(running)
             wanted = sorted(writer.missing - running.keys())
             started = 0
@@ -347,8 +389,9 @@ async def fetch(
                     fruitless += 1
             if fruitless >= _MAX_FRUITLESS:
                 raise chunks.failure(f"{fruitless} chunk requests in a row brought nothing")
-        await asyncio.gather(*running.values())  # the last reports to the planner
+        await asyncio.gather(*running.values())
         running.clear()
+        await reports.flush()  # the last reports reach the planner
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
     except BaseException:
@@ -356,6 +399,7 @@ async def fetch(
         for task in running.values():
             task.cancel()
         await asyncio.gather(*running.values(), return_exceptions=True)
+        await reports.cancel()
         store.partial.pop(manifest.digest, None)
         held = sorted(set(range(manifest.nchunks)) - writer.missing)
         await asyncio.to_thread(writer.abort)

@@ -303,8 +303,8 @@ def simulate(
     source: float = 1e9,
     latency: float = 0.0002,
     scale: int = 1 << 18,
-    in_flight: int = 4,
-    max_uploads: int = 4,
+    in_flight: int | None = None,
+    max_uploads: int | None = None,
 ) -> dict[str, Any]:
     """``n`` workers that join at once copy a template; when the last holds it, and traffic.
 
@@ -321,6 +321,8 @@ def simulate(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    in_flight = in_flight or int(dask.config.get("pcm.template.in-flight"))
+    max_uploads = max_uploads or int(dask.config.get("pcm.template.max-uploads"))
     loop = VirtualClockLoop()
     # A peer's deadline for a chunk is reckoned from its size on disk, ``scale`` times smaller
     # than the size simulated: the slowest rate allowed shrinks with it.

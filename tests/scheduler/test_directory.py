@@ -19,7 +19,9 @@ def make(workers: str = "abcdef", whole: set[str] | None = None, max_uploads: in
     )
 
 
-def test_the_source_is_leased_a_few_chunks_at_a_time_and_lost_holders_are_forgotten():
+def test_the_source_is_leased_a_few_chunks_at_a_time_and_lost_holders_are_forgotten(monkeypatch):
+    monkeypatch.setattr(chunk_directory, "SOURCE_LEASES", 2)
+    monkeypatch.setattr(chunk_directory, "SOURCE_READS", 4)
     directory = make()
     plan, have = directory.plan, directory.have
     everything = [0, 1, 2, 3, 4, 5]
@@ -102,3 +104,15 @@ def test_source_reads_per_template_are_bounded(monkeypatch, reads):
     directory = make()
     leased = [i for w in "abcdef" for i in directory.plan("d", w, list(range(20)))["source"]]
     assert len(leased) == reads and len(set(leased)) == reads
+
+
+def test_a_worker_alone_reads_the_source_as_fast_as_all_together(monkeypatch):
+    # One lease each while others copy the template too (each chunk out of the source as
+    # early as possible, for them to pass on); all of them for the only worker without it,
+    # so that the source is read while the worker writes what it read.
+    monkeypatch.setattr(chunk_directory, "SOURCE_LEASES", 1)
+    monkeypatch.setattr(chunk_directory, "SOURCE_READS", 2)
+    assert make("a").plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0, 1]}
+    together = make("ab")
+    assert together.plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0]}
+    assert together.plan("d", "b", [0, 1, 2]) == {"peers": {}, "source": [1]}

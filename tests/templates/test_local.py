@@ -5,11 +5,13 @@ removed by its last user (dask_pcm.templates.local)."""
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import dask
 import pytest
 
+from dask_pcm.locks import file_lock
 from dask_pcm.templates import local
 from dask_pcm.templates.local import local_copy, use_copy
 from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, TemplateWriter, build_manifest
@@ -104,6 +106,42 @@ def test_two_threads_at_once_make_one_intact_copy(template, tmp_path):
     assert names == sorted([name, f".{name}.lock", f".{name}.verified"])
 
 
+def _joining_at_once(directory: Path, manifest: Manifest, make, count: int, monkeypatch) -> list:
+    """``count`` threads that use_copy at once: the copy's lock held until every one has
+    looked at the copy's stamp (as workers that arrive while another holds the lock), so
+    that none arrives after another is done (on a loaded machine, a thread may start late)."""
+    looked = threading.Semaphore(0)
+    read = local._read
+
+    def counted(stamp):
+        value = read(stamp)
+        looked.release()
+        return value
+
+    monkeypatch.setattr(local, "_read", counted)
+    directory.mkdir(parents=True, exist_ok=True)
+    uses: list = []
+    errors: list = []
+
+    def join() -> None:
+        try:
+            uses.append(use_copy(directory, manifest, make))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join) for _ in range(count)]
+    with file_lock(directory / f".{manifest.digest[:16]}.lock"):
+        for thread in threads:
+            thread.start()
+        for _ in threads:
+            assert looked.acquire(timeout=30)
+    for thread in threads:
+        thread.join()
+    monkeypatch.setattr(local, "_read", read)
+    assert errors == []
+    return uses
+
+
 def test_joiners_that_wait_for_a_copy_read_it_once(template, tmp_path, monkeypatch):
     """Workers of a host joining at once: one makes the copy (or checks the one it found),
     the others waited for the lock meanwhile and trust it; a later joiner reads it again."""
@@ -117,12 +155,10 @@ def test_joiners_that_wait_for_a_copy_read_it_once(template, tmp_path, monkeypat
 
     verify = local.verify_copy
     monkeypatch.setattr(local, "verify_copy", counted)
-    uses = []
-    assert run_in_threads(lambda: uses.append(use_copy(tmp_path / "t", manifest, make)), 3) == []
+    uses = _joining_at_once(tmp_path / "t", manifest, make, 3, monkeypatch)
     assert (make.calls, checks) == (1, [])  # made once, read by nobody again
     assert len({u.dest for u in uses}) == 1
-    found = run_in_threads(lambda: uses.append(use_copy(tmp_path / "t", manifest, make)), 3)
-    assert found == []
+    uses += _joining_at_once(tmp_path / "t", manifest, make, 3, monkeypatch)
     assert (make.calls, len(checks)) == (1, 1)  # found complete: checked once, by one of three
     for use in uses:
         use.release()
