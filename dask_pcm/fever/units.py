@@ -16,7 +16,7 @@ from dask_pcm.fever.data import Claim, ClaimSet
 from dask_pcm.fever.fitting import CONTEXT, truncated
 from dask_pcm.fever.scoring import GENERATE_TOKENS, score_generate, score_logits
 from dask_pcm.fever.templates import PromptTemplate
-from dask_pcm.loaders.model import count_tokens, prompt_problem
+from dask_pcm.loaders.model import prompt_problems
 from dask_pcm.tasks import get_context
 
 __all__ = ["CONTEXT", "Unit", "make_units", "score_rows", "score_unit", "template_head"]
@@ -45,7 +45,7 @@ def score_unit(
     with ``prefix_cache`` the template's part before the claim is computed once per worker
     (for either method).
 
-    A prompt that cannot fit the model (:func:`~dask_pcm.loaders.model.prompt_problem`: its
+    A prompt that cannot fit the model (:func:`~dask_pcm.loaders.model.prompt_problems`: its
     context, or the memory one pass may take) is not run: its row carries ``error`` (and no
     prediction), or, with ``truncate``, its claim is cut until the prompt fits and the row
     says by how many tokens (``truncated_tokens``).
@@ -54,13 +54,11 @@ def score_unit(
     new_tokens = 0 if method == "logits" else GENERATE_TOKENS
     texts = [c.claim for c in claims]
     prompts = [template.render(text, lm.tokenizer) for text in texts]
-    problems: list[str | None] = [None] * len(prompts)
+    problems = prompt_problems(lm, prompts, method, new_tokens)
     cut = [0] * len(prompts)
-    for i, tokens in enumerate(count_tokens(lm, prompts)):
-        problem = prompt_problem(lm, tokens, method, new_tokens)
+    for i, problem in enumerate(problems):
         if problem and truncate:
-            texts[i], prompts[i], cut[i], problem = truncated(lm, template, texts[i], method)
-        problems[i] = problem
+            texts[i], prompts[i], cut[i], problems[i] = truncated(lm, template, texts[i], method)
     fine = [i for i, p in enumerate(problems) if p is None]
     scored_fine: list[dict[str, Any]] = []
     if fine:
