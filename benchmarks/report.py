@@ -660,7 +660,7 @@ def _startup(folder: Path) -> Block:
 
 
 # The goals for paper_scale.py, as its `goals` states them: requirements, not results.
-_PAPER_GOALS = {"ratio": 0.7, "files": 1000, "rss_mb": 2048, "recompute_pct": 1.0}
+_PAPER_GOALS = {"ratio": 0.9, "files": 1000, "rss_mb": 600, "recompute_pct": 1.0}
 
 
 def _paper_scale(folder: Path) -> Block:
@@ -703,7 +703,7 @@ def _paper_scale(folder: Path) -> Block:
             "peak RSS of the client process (scheduler and nannies in it)",
             bold(f"{r['peak_client_rss_mb']:,.0f} MB")
             + f" (before the run {r['client_rss_before_mb']:,.0f} MB)",
-            *goal(f"≤ {g['rss_mb'] / 1024:g} GB", r["peak_client_rss_mb"] <= g["rss_mb"]),
+            *goal(f"≤ {g['rss_mb']:,} MB", r["peak_client_rss_mb"] <= g["rss_mb"]),
         ],
         [
             "rows; (template, claim) twice; missing",
