@@ -191,6 +191,31 @@ def pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
     return sequences
 
 
+def balanced(lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """As :func:`pack`, in as few sequences, with the longest as short as it can be: the
+    pass is as wide as its longest sequence, so 16 rows of 18 tokens under a limit of 256
+    make two sequences of 144, not one of 252 and one of 36 padded to 252.
+
+    Example
+    -------
+    >>> balanced([18] * 4, limit=64)
+    [[0, 1], [2, 3]]
+    """
+    sequences = pack(lengths, limit)
+    if len(sequences) < 2 or max(lengths) >= limit:
+        return sequences
+    # The narrowest width that still packs into as many sequences (packing in order is
+    # greedy: a wider limit never needs more sequences).
+    low, high = max(max(lengths), -(-sum(lengths) // len(sequences))), limit
+    while low < high:
+        middle = (low + high) // 2
+        if len(pack(lengths, middle)) <= len(sequences):
+            high = middle
+        else:
+            low = middle + 1
+    return pack(lengths, low)
+
+
 def forward(
     model: Any,
     rows: Sequence[Sequence[int]],
@@ -214,7 +239,7 @@ def forward(
     lengths = [len(r) for r in rows]
     is_packed = prefix is not None and packable(model)
     if is_packed:
-        sequences = pack(lengths, PACK_TOKENS)
+        sequences = balanced(lengths, PACK_TOKENS)
         input_ids, mask, positions, starts = packed(rows, sequences, pad_id, prefix_len)
         if getattr(model.config, "_attn_implementation", None) == "eager":
             # eager attention adds the mask to its scores

@@ -17,6 +17,7 @@ from dask_pcm.loaders.prefix import (
     MIN_PREFIX_TOKENS,
     PACK_TOKENS,
     PrefixCache,
+    balanced,
     pack,
     shared_prefix,
 )
@@ -127,7 +128,7 @@ def test_short_rows_after_a_kept_prefix_share_one_pass_and_score_as_alone(lm, mo
     lm.next_token_logits(prompts, prefix=head)  # the prefix's states, kept
     ids = lm.tokenizer(prompts)["input_ids"]
     shared = shared_prefix(ids, lm.tokenizer(head)["input_ids"])
-    sequences = pack(sorted(len(seq) - shared for seq in ids), PACK_TOKENS)
+    sequences = balanced(sorted(len(seq) - shared for seq in ids), PACK_TOKENS)
     calls = []
     hook = lm.model.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)),
@@ -147,6 +148,23 @@ def test_short_rows_after_a_kept_prefix_share_one_pass_and_score_as_alone(lm, mo
     torch.testing.assert_close(lm.next_token_logits(prompts, prefix=head), alone, atol=1e-4, rtol=0)
     count = len(pack(sorted(len(seq) - shared for seq in ids), 40))
     assert [n for n, _ in calls] == [8] * (count // 8) + ([count % 8] if count % 8 else [])
+
+
+def test_sequences_are_balanced_in_as_few_as_packing_needs():
+
+    # 16 claims of 18 tokens: 288, over one sequence of 256; two of 144, not 252 and 36
+    # (a pass is as wide as its longest sequence).
+    sixteen = balanced([18] * 16, 256)
+    assert [len(seq) for seq in sixteen] == [8, 8]
+    lengths = [3, 9, 4, 4, 7, 1, 8, 2, 6, 5, 5, 3]
+    for limit in (9, 12, 16, 20, 57, 100):
+        greedy, even = pack(lengths, limit), balanced(lengths, limit)
+        assert len(even) == len(greedy)
+        assert sorted(i for seq in even for i in seq) == list(range(len(lengths)))
+        assert all(seq == sorted(seq) for seq in even)  # in order, end to end
+        width = [max(sum(lengths[i] for i in seq) for seq in s) for s in (greedy, even)]
+        assert width[1] <= width[0] <= limit
+    assert balanced([300, 5], 256) == pack([300, 5], 256)  # a row over the limit stays alone
 
 
 def test_the_packed_layout_lets_each_row_see_the_prefix_and_itself():
