@@ -36,7 +36,8 @@ Columns, one row per template:
   shared when the two merge), the part run once per worker; ``a-b`` when tasks differ.
 - ``run w/o``, ``run with``: token positions a forward pass runs per claim, padding included,
   as the model batches them (prompts sorted by length; whole prompts in passes of 8 padded
-  rows; after the kept prefix, packed end to end in sequences of up to 256 tokens, 8
+  rows; after the kept prefix, packed end to end in sequences of up to 256 tokens (balanced: as
+  few as that takes, the longest as short as it can be), 8
   sequences a pass): what the work shrinks to.
 - ``w/o c/s``, ``with c/s``: median claims/s over the repetitions.
 - ``ratio``: median with / median without; ``range``: the lowest and highest ratio of one
@@ -97,6 +98,7 @@ from dask_pcm.fever.units import CONTEXT, score_unit, template_head
 from dask_pcm.loaders.prefix import (
     MIN_PREFIX_TOKENS,
     PACK_TOKENS,
+    balanced,
     pack,
     packable,
     prefix_states,
@@ -215,7 +217,7 @@ def token_counts(
     without the prefix, counted as ``LanguageModel.next_token_logits`` runs them: prompts
     sorted by length; whole prompts padded in passes of ``rows_per_pass``; after a kept
     prefix (``packs``: the model packs) laid end to end in sequences of up to ``PACK_TOKENS``,
-    ``rows_per_pass`` sequences a pass, each padded to the pass's longest."""
+    ``rows_per_pass`` sequences a pass, balanced and padded to the pass's longest."""
     head = tokenizer(template_head(template, tokenizer))["input_ids"]
     lengths: list[int] = []
     shared_per_task: list[int] = []
@@ -233,8 +235,16 @@ def token_counts(
         run_without += _padded_positions(ordered, rows_per_pass)
         rest = [n - shared for n in ordered]
         if shared and packs:
-            sequences = [sum(rest[i] for i in seq) for seq in pack(rest, PACK_TOKENS)]
-            run_with += _padded_positions(sequences, rows_per_pass)
+            # In passes of rows_per_pass sequences (loaders.passes.in_passes), each pass's
+            # rows balanced over as few sequences (loaders.prefix.forward), padded to the
+            # pass's longest.
+            done = 0
+            while done < len(rest):
+                take = sum(len(q) for q in pack(rest[done:], PACK_TOKENS)[:rows_per_pass])
+                part = rest[done : done + take]
+                widths = [sum(part[i] for i in seq) for seq in balanced(part, PACK_TOKENS)]
+                run_with += len(widths) * max(widths)
+                done += take
         else:
             run_with += _padded_positions(rest, rows_per_pass)
     low, high = min(shared_per_task), max(shared_per_task)
