@@ -36,9 +36,9 @@ Columns, one row per template:
   shared when the two merge), the part run once per worker; ``a-b`` when tasks differ.
 - ``run w/o``, ``run with``: token positions a forward pass runs per claim, padding included,
   as the model batches them (prompts sorted by length; whole prompts in passes of 8 padded
-  rows; after the kept prefix, packed end to end in sequences of up to 256 tokens (balanced: as
-  few as that takes, the longest as short as it can be), 8
-  sequences a pass): what the work shrinks to.
+  rows; after the kept prefix, packed end to end in sequences of up to 256 tokens, 8
+  sequences a pass, balanced: as few as that takes, the longest as short as it can be):
+  what the work shrinks to.
 - ``w/o c/s``, ``with c/s``: median claims/s over the repetitions.
 - ``ratio``: median with / median without; ``range``: the lowest and highest ratio of one
   repetition's pair (the pairs are printed below the table); the JSON has the 95 % interval
