@@ -30,11 +30,12 @@ logger = logging.getLogger(__name__)
 
 # Chunks one worker may be reading from a template's source at once (all SOURCE_READS when
 # it is the only worker without the template: a reader alone then keeps the source busy
-# while it writes what it read), chunks all workers together may be reading from it at once,
-# and how long such a lease lasts before another worker may take the chunk. Few readers at a time make the source deliver whole chunks
-# early, one after another, for peers to pass on while it reads the next; many at once
-# would share its bandwidth and deliver them all at the end (simulated, `scale_out.py
-# --simulate`: 2 and 1 brought 8 link-bound hosts within 1.2-1.5x of one, 4 and 2 within 2x).
+# while it writes what it read), chunks all workers together may be reading from it at
+# once, and how long such a lease lasts before another worker may take the chunk. Few
+# readers at a time make the source deliver whole chunks early, one after another, for
+# peers to pass on while it reads the next; many at once would share its bandwidth and
+# deliver them all at the end (simulated, `scale_out.py --simulate`: 2 and 1 brought 8
+# link-bound hosts within 1.2-1.5x of one, 4 and 2 within 2x).
 SOURCE_LEASES = 1
 SOURCE_READS = 2
 LEASE_SECONDS = 120.0
