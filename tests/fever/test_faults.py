@@ -160,23 +160,15 @@ def test_finished_units_are_written_on_time_while_a_unit_never_returns(
     assert len(read_predictions(output)) == 30
 
 
-def test_a_killed_scheduler_is_named_not_a_cancelled_task(tiny_model_dir, tmp_path):
-    """The client used to say "task ... ended as 'cancelled', not finished"."""
+@pytest.fixture
+def own_scheduler(tmp_path):
+    """A scheduler process and one worker process, as ``dask scheduler`` / ``dask worker``
+    start them: ``(address, scheduler process)``."""
     scheduler_file = tmp_path / "scheduler.json"
     dask_bin = Path(sys.executable).with_name("dask")
-    scheduler = subprocess.Popen(
-        [
-            dask_bin,
-            "scheduler",
-            "--port",
-            "0",
-            "--dashboard-address",
-            ":0",
-            "--scheduler-file",
-            str(scheduler_file),
-        ],
-        stderr=subprocess.DEVNULL,
-    )
+    argv = [dask_bin, "scheduler", "--port", "0", "--dashboard-address", ":0"]
+    argv += ["--scheduler-file", str(scheduler_file)]
+    scheduler = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
     worker = None
     try:
         deadline = time.monotonic() + 60
@@ -187,39 +179,77 @@ def test_a_killed_scheduler_is_named_not_a_cancelled_task(tiny_model_dir, tmp_pa
             [dask_bin, "worker", address, "--nthreads", "1", "--death-timeout", "5"],
             stderr=subprocess.DEVNULL,
         )
-        data = tmp_path / "claims.jsonl"
-        with open(data, "w") as f:
-            for i in range(400):
-                f.write(json.dumps({"id": i, "label": "SUPPORTS", "claim": f"Fact {i}."}) + "\n")
-        with Client(address) as client:
-            client.wait_for_workers(1, timeout=60)
-
-            def kill_soon() -> None:
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:  # until the model is ready: scoring
-                    rows = dask_pcm.status(client)
-                    if len(rows) and (rows["state"] == "ready").all():
-                        break
-                    time.sleep(0.2)
-                time.sleep(1)
-                scheduler.send_signal(signal.SIGKILL)
-
-            killer = threading.Thread(target=kill_soon)
-            killer.start()
-            start = time.monotonic()
-            with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
-                run_fever(
-                    data,
-                    model=tiny_model_dir,
-                    cluster=client,
-                    claims_per_task=1,
-                    output=tmp_path / "preds",
-                    progress=False,
-                )
-            killer.join()
-            assert time.monotonic() - start < 40
+        yield address, scheduler
     finally:
         for process in (worker, scheduler):
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait(30)
+
+
+def _claims(tmp_path: Path) -> Path:
+    data = tmp_path / "claims.jsonl"
+    with open(data, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"id": i, "label": "SUPPORTS", "claim": f"Fact {i}."}) + "\n")
+    return data
+
+
+def _run(data: Path, model: Path, client: Client, output: Path) -> None:
+    run_fever(data, model=model, cluster=client, claims_per_task=1, output=output, progress=False)
+
+
+def test_a_killed_scheduler_is_named_not_a_cancelled_task(tiny_model_dir, tmp_path, own_scheduler):
+    """The client used to say "task ... ended as 'cancelled', not finished"."""
+    address, scheduler = own_scheduler
+    data = _claims(tmp_path)
+    with Client(address) as client:
+        client.wait_for_workers(1, timeout=60)
+
+        def kill_soon() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # until the model is ready: scoring
+                rows = dask_pcm.status(client)
+                if len(rows) and (rows["state"] == "ready").all():
+                    break
+                time.sleep(0.2)
+            time.sleep(1)
+            scheduler.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
+            _run(data, tiny_model_dir, client, tmp_path / "preds")
+        killer.join()
+        assert time.monotonic() - start < 40
+
+
+def test_a_scheduler_killed_during_a_call_to_it_is_named(tiny_model_dir, tmp_path, own_scheduler):
+    """A scheduler that dies while the run waits on a call to it (here the check for overdue
+    tasks, made every second when tasks have a timeout) used to end the run with the call's
+    own ``OSError: Timed out trying to connect to ...`` (seen in CI, where the kill landed
+    during such a call)."""
+    address, scheduler = own_scheduler
+    data = _claims(tmp_path)
+    settings = {"distributed.comm.timeouts.connect": "3s", "pcm.batch.task-timeout": 600}
+    with dask.config.set(settings), Client(address) as client:
+        client.wait_for_workers(1, timeout=60)
+        call = client.run_on_scheduler
+        checks = []
+
+        def killed_during(function, *args, **kwargs):
+            if function.__name__ == "_executing":
+                checks.append(1)
+                if len(checks) == 3:  # seconds into the run, the model loaded
+                    scheduler.send_signal(signal.SIGKILL)
+                    scheduler.wait(30)
+                    deadline = time.monotonic() + 30
+                    while client.status == "running" and time.monotonic() < deadline:
+                        time.sleep(0.05)  # the client has seen its connection close
+            return call(function, *args, **kwargs)
+
+        client.run_on_scheduler = killed_during  # type: ignore[method-assign]
+        with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
+            _run(data, tiny_model_dir, client, tmp_path / "preds")
+        assert len(checks) == 3
