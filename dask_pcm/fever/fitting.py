@@ -175,18 +175,33 @@ class RowErrors:
     claims
         The run's claims (where each comes from).
     rows
-        The run's rows: ``claim_id``, ``template``, ``error`` and ``truncated_tokens``.
+        The run's rows: ``claim_id``, ``template``, ``error`` and ``truncated_tokens``; or
+        none, and :meth:`add` them a part (say, a template) at a time.
     """
 
-    def __init__(self, claims: ClaimSet, rows: pd.DataFrame, keep: int = 5) -> None:
+    def __init__(self, claims: ClaimSet, rows: pd.DataFrame | None = None, keep: int = 5) -> None:
+        self.claims, self.keep = claims, keep
+        self.count = self.truncated = 0
+        self.examples: list[str] = []
+        self._index: dict[Any, int] | None = None
+        if rows is not None:
+            self.add(rows)
+
+    def add(self, rows: pd.DataFrame) -> None:
+        """Count ``rows`` in too."""
         failed = rows[rows["error"].notna()] if "error" in rows else rows.iloc[:0]
-        self.count = len(failed)
+        self.count += len(failed)
         cut = rows.get("truncated_tokens")
-        self.truncated = 0 if cut is None else int((cut.fillna(0) > 0).sum())
-        index = {c.id: i for i, c in enumerate(claims.claims)} if self.count else {}
-        self.examples = [
-            f"{claims.where(index.get(r.claim_id, -1))} under template {r.template!r}: {r.error}"
-            for r in failed.head(keep).itertuples()
+        self.truncated += 0 if cut is None else int((cut.fillna(0) > 0).sum())
+        wanted = self.keep - len(self.examples)
+        if wanted <= 0 or failed.empty:
+            return
+        if self._index is None:
+            self._index = {c.id: i for i, c in enumerate(self.claims.claims)}
+        self.examples += [
+            f"{self.claims.where(self._index.get(r.claim_id, -1))} under template "
+            f"{r.template!r}: {r.error}"
+            for r in failed.head(wanted).itertuples()
         ]
 
     def warn(self) -> None:

@@ -20,7 +20,7 @@ numpy and pandas only: the binomial tail is summed exactly with integers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -167,13 +167,24 @@ def rank(predictions: pd.DataFrame, labels: Sequence[str] = LABELS) -> pd.DataFr
     ``p_vs_best`` compares every other on the claims both scored (NaN for the best itself,
     and for a template sharing no claim with it).
     """
-    groups = predictions.groupby("template", sort=False)
-    rows = [_template_row(name, group, labels) for name, group in groups]
+    return rank_groups(predictions.groupby("template", sort=False), labels)
+
+
+def rank_groups(
+    groups: Iterable[tuple[Any, pd.DataFrame]], labels: Sequence[str] = LABELS
+) -> pd.DataFrame:
+    """:func:`rank` of the rows given one template at a time, as ``(template, rows)`` pairs:
+    only one template's rows need be in memory at once (a run of millions of rows reads
+    them from its output folder template by template)."""
+    rows, correct = [], {}
+    for name, group in groups:
+        rows.append(_template_row(name, group, labels))
+        correct[name] = _correct_by_claim(name, group)
     columns = ["template", "accuracy", "n", "macro_f1"]
     columns += [f"recall_{label}" for label in labels] + ["unparseable", *RANK_COLUMNS]
     table = pd.DataFrame(rows, columns=columns)
     table = table.sort_values(["accuracy", "macro_f1"], ascending=False, ignore_index=True)
-    table["p_vs_best"] = _p_vs_best(predictions, list(table["template"]))
+    table["p_vs_best"] = _p_vs_best(correct, list(table["template"]))
     return table
 
 
@@ -192,28 +203,32 @@ def _template_row(name: Any, group: pd.DataFrame, labels: Sequence[str]) -> dict
     return row
 
 
-def _p_vs_best(predictions: pd.DataFrame, order: list[Any]) -> list[float]:
+def _correct_by_claim(name: Any, group: pd.DataFrame) -> pd.Series:
+    """Whether each claim of one template's rows was answered right, by ``claim_id``."""
+    repeated = group["claim_id"].duplicated()
+    if repeated.any():
+        claim = group["claim_id"][repeated].iloc[0]
+        raise ValueError(
+            f"template {name!r} has claim_id {claim!r} more than once: p_vs_best pairs "
+            "templates claim by claim"
+        )
+    right = (group["predicted"] == group["label"]).to_numpy(dtype=bool)
+    return pd.Series(right, index=group["claim_id"].to_numpy())
+
+
+def _p_vs_best(correct: dict[Any, pd.Series], order: list[Any]) -> list[float]:
     """The exact McNemar p-value of each template in ``order`` against ``order[0]``, paired by
     ``claim_id`` (so the rows may come in any order)."""
     if not order:
         return []
-    correct = predictions.assign(correct=predictions["predicted"] == predictions["label"])
-    repeated = correct.duplicated(["template", "claim_id"])
-    if repeated.any():
-        first = correct[repeated].iloc[0]
-        raise ValueError(
-            f"template {first['template']!r} has claim_id {first['claim_id']!r} more than "
-            "once: p_vs_best pairs templates claim by claim"
-        )
-    right = correct.pivot(index="claim_id", columns="template", values="correct")
-    best = right[order[0]]
+    best = correct[order[0]]
     out = [math.nan]
     for name in order[1:]:
-        both = best.notna() & right[name].notna()
-        if not both.any():
+        first, other = best.align(correct[name], join="inner")
+        if first.empty:
             out.append(math.nan)
             continue
-        first, other = best[both].astype(bool), right[name][both].astype(bool)
+        first, other = first.astype(bool), other.astype(bool)
         out.append(mcnemar_exact(int((first & ~other).sum()), int((~first & other).sum())))
     return out
 

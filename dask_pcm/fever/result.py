@@ -4,6 +4,7 @@ and prediction tables it is made of."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,16 +77,30 @@ class FeverResult:
 
 def summarize(predictions: pd.DataFrame) -> pd.DataFrame:
     """One row per template, best first: accuracy, n, macro-F1, recall per label, unparseable,
-    the accuracy's 95 % interval, calibrated accuracy and macro-F1, and the p-value against
-    the best template (:func:`dask_pcm.fever.ranking.rank`)."""
-    from dask_pcm.fever.ranking import rank  # pandas, only when a summary is made
+    the accuracy's 95 % interval, calibrated accuracy and macro-F1, the p-value against
+    the best template (:func:`dask_pcm.fever.ranking.rank`), and the rows recorded as
+    errors."""
+    return summarize_groups(predictions.groupby("template", sort=False))
 
-    if "error" not in predictions:
-        return rank(predictions).assign(errors=0)
-    # Rows recorded as errors have no prediction: they count apart, not as wrong answers.
-    failed = predictions["error"].notna()
-    errors = predictions[failed].groupby("template").size()
-    table = rank(predictions[~failed])
+
+def summarize_groups(groups: Iterable[tuple[Any, pd.DataFrame]]) -> pd.DataFrame:
+    """:func:`summarize` of the rows given one template at a time, as ``(template, rows)``
+    pairs (see :func:`dask_pcm.fever.ranking.rank_groups`)."""
+    from dask_pcm.fever.ranking import rank_groups  # pandas, only when a summary is made
+
+    errors: dict[Any, int] = {}
+
+    def answered() -> Iterator[tuple[Any, pd.DataFrame]]:
+        # Rows recorded as errors have no prediction: they count apart, not as wrong answers.
+        for name, rows in groups:
+            if "error" in rows:
+                failed = rows["error"].notna()
+                errors[name] = int(failed.sum())
+                rows = rows[~failed]
+            if len(rows):
+                yield name, rows
+
+    table = rank_groups(answered())
     return table.assign(errors=table["template"].map(errors).fillna(0).astype(int))
 
 

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from dask_pcm import config
 from dask_pcm.batch.provenance import content_digest
 from dask_pcm.batch.run import run_batch
+from dask_pcm.batch.segments import read_predictions
 from dask_pcm.context import causal_lm
 from dask_pcm.fever.data import LABELS, demo_claims, load_claims, sample_claims
 from dask_pcm.fever.fitting import RowErrors, refuse_unfit
-from dask_pcm.fever.result import FeverResult, in_order, summarize
+from dask_pcm.fever.result import FeverResult, in_order, summarize_groups
 from dask_pcm.fever.scoring import check_method
 from dask_pcm.fever.templates import get_templates
 from dask_pcm.fever.units import CONTEXT, score_rows
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def run_fever(
@@ -166,10 +171,24 @@ def run_fever(
     columns = ["template", "claim_id", "label", "predicted", "error", "truncated_tokens"]
     if method == "logits":
         columns += [f"score_{label}" for label in LABELS]
-    # With an output folder the summary reads only the columns it needs: the run kept no rows.
-    rows = result.to_pandas(columns)
-    rows = rows[rows["template"].isin(names)]
-    seen = RowErrors(claims, rows)
+    seen = RowErrors(claims)
+
+    def by_template() -> Iterator[tuple[str, pd.DataFrame]]:
+        if output is None:
+            rows = result.to_pandas(columns)
+            parts: Iterable[tuple[str, pd.DataFrame]] = rows[rows["template"].isin(names)].groupby(
+                "template", sort=False
+            )
+        else:
+            # The run kept no rows: one template's, read from the folder, at a time (a
+            # million rows read at once would take the client's memory several times over).
+            folder = result.output
+            parts = ((name, read_predictions(folder, [name], columns)) for name in names)
+        for name, part in parts:
+            seen.add(part)
+            yield name, part
+
+    summary = summarize_groups(by_template())
     report = {
         **result.report,
         "claims": len(claims),
@@ -180,4 +199,4 @@ def run_fever(
     }
     seen.warn()
     predictions = None if output is not None else in_order(result.to_pandas(), names)
-    return FeverResult(summarize(rows), predictions, report, output=output, templates=names)
+    return FeverResult(summary, predictions, report, output=output, templates=names)

@@ -19,7 +19,7 @@ from dask_pcm.fever.ranking import (
     rank,
     wilson_interval,
 )
-from dask_pcm.fever.run import summarize
+from dask_pcm.fever.result import summarize, summarize_groups
 from dask_pcm.fever.scoring import UNPARSEABLE
 
 S, R, N = LABELS
@@ -225,3 +225,20 @@ def test_rows_recorded_as_errors_count_apart_not_as_wrong_answers():
     assert table["n"].tolist() == [len(predictions) - 2]
     expected = summarize(predictions.iloc[2:])
     assert table["accuracy"].tolist() == expected["accuracy"].tolist()
+
+
+def test_a_summary_made_one_template_at_a_time_is_the_same_as_from_all_rows():
+    """How ``run_fever`` summarises a run with an output folder: it reads one template's rows
+    at a time (a million rows at once took the client's memory several times over)."""
+    rows = _logits_rows("fact-checker", BALANCED, wrong=(0, 1, 5))
+    rows += _logits_rows("direct", BALANCED, bias=0.8, wrong=(2, 9, 13), seed=5)
+    rows += _logits_rows("yes-man", BALANCED, bias=6.0, seed=6)
+    predictions = pd.DataFrame(rows).assign(error=None).sample(frac=1, random_state=1)
+    predictions.loc[predictions.index[:3], ["predicted", "error"]] = [None, "too long"]
+    parts = [(name, predictions[predictions["template"] == name]) for name in ("yes-man", "direct")]
+    parts.insert(1, ("fact-checker", predictions[predictions["template"] == "fact-checker"]))
+    pd.testing.assert_frame_equal(summarize_groups(iter(parts)), summarize(predictions))
+    yes_man = parts[0][1]
+    twice = pd.concat([yes_man, yes_man[yes_man["error"].isna()].head(1)])
+    with pytest.raises(ValueError, match=r"'yes-man' has claim_id .* more than once"):
+        summarize_groups(iter([(parts[1][0], parts[1][1]), ("yes-man", twice)]))
