@@ -174,7 +174,8 @@ def run_fever(
     seen = RowErrors(claims)
 
     def by_template() -> Iterator[tuple[str, pd.DataFrame]]:
-        if output is None:
+        folder = result.output
+        if folder is None:
             rows = result.to_pandas(columns)
             parts: Iterable[tuple[str, pd.DataFrame]] = rows[rows["template"].isin(names)].groupby(
                 "template", sort=False
@@ -182,7 +183,6 @@ def run_fever(
         else:
             # The run kept no rows: one template's, read from the folder, at a time (a
             # million rows read at once would take the client's memory several times over).
-            folder = result.output
             parts = ((name, read_predictions(folder, [name], columns)) for name in names)
         for name, part in parts:
             seen.add(part)
