@@ -75,7 +75,7 @@ from dask_pcm import protocol
 from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
 from dask_pcm.batch.pieces import Piece, Task, after_loss, pack_wave, task_key
 from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, MIN_IN_FLIGHT, Sizing
-from dask_pcm.batch.units import Unit, WaveRows, Work, error_rows, run_units
+from dask_pcm.batch.units import Unit, WaveRows, Work, error_rows, run_units, unit_tables
 from dask_pcm.batch.watch import TICK, check_cluster, next_batch, scheduler_lost
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ class Dispatch:
             worker = result.get("worker")
             if worker:
                 self.served[worker] = self.served.get(worker, 0) + 1
-            for piece, (name, table) in zip(task.pieces, result["units"], strict=True):
+            for piece, (name, table) in zip(task.pieces, unit_tables(result), strict=True):
                 if table is None:
                     self._unit_failed(piece.unit, result["errors"][name])
                 else:

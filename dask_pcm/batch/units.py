@@ -12,6 +12,7 @@ message carries row text.
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,43 +119,94 @@ def run_units(
     """The task: ``fn(rows, **params, **kwargs)`` for each (name, start, stop) of ``units``,
     ``rows`` being ``wave.rows[start:stop]`` and ``params`` ``wave.params[group]``.
 
-    Returns ``units``: (name, Arrow table) per unit, or (name, ``None``) for a unit whose call
+    Returns ``units``: (name, rows) per unit, or (name, ``None``) for a unit whose call
     raised, with what it raised in ``errors`` (name -> type, message, traceback, worker);
-    ``seconds``, the time the calls took (the dispatch sizes its tasks by it); and
-    ``worker``, the address of the worker that ran it (the run's report counts tasks per
-    worker by it). One unit's exception does not cost the others of the task.
+    ``table``, the rows of all the units that did not raise, in order, as one Arrow table
+    (:func:`unit_tables` cuts it into the units' tables: one table travels and is
+    deserialised far faster than one per unit); ``seconds``, the time the calls took (the
+    dispatch sizes its tasks by it); and ``worker``, the address of the worker that ran it
+    (the run's report counts tasks per worker by it). One unit's exception does not cost
+    the others of the task.
     """
     start = time.perf_counter()
-    out: list[tuple[str, pa.Table | None]] = []
+    out: list[tuple[str, int | None]] = []
+    records: list[list[dict[str, Any]]] = []
     errors: dict[str, dict[str, Any]] = {}
     params = wave.params.get(group, {})
     for name, begin, end in units:
         rows = wave.rows[begin:end]
         try:
             result = fn(list(rows), **params, **kwargs)
-            table = output_table(result, layout.keys(rows, group), name)
+            done = output_rows(result, layout.keys(rows, group), name)
         except Exception as exc:
-            errors[name] = {
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-                "worker": _worker_address(),
-            }
+            errors[name] = _error(exc)
             out.append((name, None))
             continue
-        out.append((name, table))
+        out.append((name, len(done)))
+        records.append(done)
+    outcome: dict[str, Any] = {"units": out, "errors": errors}
+    try:
+        outcome["table"] = _table([row for done in records for row in done])
+    except (TypeError, ValueError) as exc:  # values of one column that no one type holds
+        outcome["tables"] = _each(out, records, errors, exc)
+    outcome["seconds"] = time.perf_counter() - start
+    outcome["worker"] = _worker_address()
+    return outcome
+
+
+def _each(
+    units: list[tuple[str, int | None]],
+    records: list[list[dict[str, Any]]],
+    errors: dict[str, dict[str, Any]],
+    why: Exception,
+) -> list[pa.Table | None]:
+    """A table per unit, when the units' rows do not make one table (``why``); a unit whose
+    own rows do not make one is an error."""
+    tables: list[pa.Table | None] = []
+    done = iter(records)
+    for i, (name, rows) in enumerate(units):
+        if rows is None:
+            tables.append(None)
+            continue
+        try:
+            tables.append(_table(next(done)))
+        except (TypeError, ValueError) as exc:
+            errors[name] = _error(exc)
+            units[i] = (name, None)
+            tables.append(None)
+    logger.debug("The units' rows are not one table (%s): one table per unit", why)
+    return tables
+
+
+def _error(exc: Exception) -> dict[str, Any]:
     return {
-        "units": out,
-        "errors": errors,
-        "seconds": time.perf_counter() - start,
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
         "worker": _worker_address(),
     }
 
 
-def output_table(result: Any, keys: list[dict[str, Any]], name: str) -> pa.Table:
+def unit_tables(result: Mapping[str, Any]) -> list[tuple[str, pa.Table | None]]:
+    """(name, Arrow table) per unit of a :func:`run_units` result, ``None`` for one that
+    raised: slices of its one table, not copies."""
+    if result.get("tables") is not None:
+        return [(name, t) for (name, _), t in zip(result["units"], result["tables"], strict=True)]
+    out: list[tuple[str, pa.Table | None]] = []
+    offset = 0
+    for name, rows in result["units"]:
+        if rows is None:
+            out.append((name, None))
+            continue
+        out.append((name, result["table"].slice(offset, rows)))
+        offset += rows
+    return out
+
+
+def output_rows(result: Any, keys: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     """``result`` (a list of dicts, a pandas DataFrame or an Arrow table, one row per input
-    row in order) as an Arrow table starting with ``keys``' columns (kept where the result
-    has them)."""
+    row in order) as output rows: each starts with its ``keys``' columns (kept where the
+    result has them)."""
     import pyarrow as pa
 
     if isinstance(result, pa.Table):
@@ -173,7 +227,18 @@ def output_table(result: Any, keys: list[dict[str, Any]], name: str) -> pa.Table
     for row in rows:
         if not isinstance(row, Mapping):
             raise TypeError(f"unit {name}: a row is {type(row).__name__}, not a dict")
-    return pa.Table.from_pylist([{**key, **row} for key, row in zip(keys, rows, strict=True)])
+    return [{**key, **row} for key, row in zip(keys, rows, strict=True)]
+
+
+def _table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """``rows`` as an Arrow table: a column for every key of any row, in the order they
+    first appear, missing values null."""
+    import pyarrow as pa
+
+    if rows and len(set().union(*rows)) > len(rows[0]):  # Arrow names columns by row one
+        names = dict.fromkeys(key for row in rows for key in row)
+        rows = [{n: rows[0].get(n) for n in names}, *rows[1:]]
+    return pa.Table.from_pylist(list(rows))
 
 
 def error_rows(unit: Unit, message: str, layout: Layout) -> pa.Table:
