@@ -214,24 +214,19 @@ class Dispatch:
                 if time.monotonic() - self._ticked >= TICK:
                     self._tick()
             self.on_tick()
-        except OSError as exc:
-            if isinstance(exc, CommClosedError) or self.client.status != "running":
-                # A call to the scheduler (a gather, a check for overdue tasks) under way when
-                # it died ends with its own error: a closed comm, or after trying to connect
-                # for ``distributed.comm.timeouts.connect``.
-                self._running.clear()
+        except BaseException as exc:
+            # A call to the scheduler (a gather, a check for overdue tasks) under way when it
+            # died ends with its own error: a closed comm, or an OSError after trying to
+            # connect for ``distributed.comm.timeouts.connect``.
+            lost = isinstance(exc, CommClosedError) or (
+                isinstance(exc, OSError) and self.client.status != "running"
+            )
+            if not lost and self.client.status == "running":
+                self.client.cancel(list(self._running))
+            self._running.clear()
+            if lost:
                 raise scheduler_lost(self.client, str(exc)) from exc
-            self._cancel()
             raise
-        except BaseException:
-            self._cancel()
-            raise
-
-    def _cancel(self) -> None:
-        """Cancel the tasks still running (on any error but a lost scheduler)."""
-        if self.client.status == "running":
-            self.client.cancel(list(self._running))
-        self._running.clear()
 
     def _tick(self) -> None:
         self._ticked = time.monotonic()

@@ -36,10 +36,10 @@ def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_
     report = result.report
     assert report["units"] == {"total": 12, "computed": 12, "reused": 0, "failed": 0}
     assert sum(w["tasks"] for w in report["workers"]) == 12
-    assert all(w["loads"] == 1 for w in report["workers"])
+    _loaded_once(report)
     # The context stays on a cluster the user passed in: a second run does not reload it.
     again = run_fever(model=tiny_model_dir, cluster=client, num_templates=1, progress=False)
-    assert all(w["loads"] == 1 for w in again.report["workers"])
+    _loaded_once(again.report)
     assert dask_pcm.registered_contexts(client) == [CONTEXT]
 
 
@@ -55,7 +55,7 @@ def test_a_run_reads_context_status_from_the_scheduler_once(client, tiny_model_d
     result = run_fever(model=tiny_model_dir, cluster=client, num_templates=1, progress=False)
     assert reads == [([CONTEXT],)]  # the workers' report, at the end
     # register() answered with the contexts' rows: none was read to wait for them.
-    assert [w["loads"] for w in result.report["workers"]] == [1, 1]
+    _loaded_once(result.report)
     assert sum(w["tasks"] for w in result.report["workers"]) == result.report["tasks"]
 
 
@@ -125,3 +125,13 @@ def test_generate_method_and_bad_arguments(client, tiny_model_dir):
         run_fever(cluster=client, method="vote")
     with pytest.raises(ValueError, match="one of 'local', 'sge', 'htcondor', 'slurm'"):
         run_fever(model=tiny_model_dir, cluster="pbs", num_templates=1)
+
+
+def _loaded_once(report):
+    """Every worker that ran a task loaded the model once, and none loaded it twice. Work
+    starts on the first ready worker: in a short run the other one may still be loading
+    when the run ends (in-process workers load one at a time), and then it reports none."""
+    workers = report["workers"]
+    assert all(w["loads"] <= 1 for w in workers), workers
+    assert all(w["loads"] == 1 for w in workers if w["tasks"]), workers
+    assert any(w["tasks"] for w in workers), workers
