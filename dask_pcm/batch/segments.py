@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,7 +161,22 @@ def read_predictions(
 ) -> pd.DataFrame:
     """The rows of the output folder ``root`` (of ``templates`` only, when given), with
     ``columns`` (default all), in the order they were written."""
-    import pandas as pd
+    return _read(_dataset(root), templates, columns)
+
+
+def read_by_template(
+    root: str | os.PathLike[str], templates: Iterable[str], columns: list[str] | None = None
+) -> Iterator[tuple[str, pd.DataFrame]]:
+    """(template, its rows) for each of ``templates``, one at a time: what
+    :func:`read_predictions` reads, a template's rows in memory at once, the segments'
+    footers read once."""
+    dataset = _dataset(root)
+    for name in templates:
+        yield name, _read(dataset, [name], columns)
+
+
+def _dataset(root: str | os.PathLike[str]) -> Any:
+    """The segments of ``root`` as one pyarrow dataset; ``None`` when there are none."""
     import pyarrow as pa
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
@@ -170,16 +185,24 @@ def read_predictions(
         raise OutputFolderError(f"output folder {root} does not exist (any more)")
     paths = sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
     if not paths:
-        return pd.DataFrame(columns=columns)
+        return None
     # Segments of one folder may differ in their columns (an ``error`` column appears with
     # the first row recorded as an error; folders written before it have none): read them
     # under their union, a missing column as nulls.
     schema = pa.unify_schemas(
         [pq.read_schema(p) for p in paths], promote_options="permissive"
     ).remove_metadata()
-    dataset = ds.dataset(paths, format="parquet", schema=schema)
+    return ds.dataset(paths, format="parquet", schema=schema)
+
+
+def _read(dataset: Any, templates: Iterable[str] | None, columns: list[str] | None) -> pd.DataFrame:
+    import pandas as pd
+    import pyarrow.dataset as ds
+
+    if dataset is None:
+        return pd.DataFrame(columns=columns)
     wanted = None if templates is None else ds.field("template").isin(list(templates))
-    present = None if columns is None else [c for c in columns if c in schema.names]
+    present = None if columns is None else [c for c in columns if c in dataset.schema.names]
     table = dataset.to_table(columns=present, filter=wanted).to_pandas()
     for name in columns or []:
         if name not in table:

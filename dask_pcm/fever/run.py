@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dask_pcm import config
 from dask_pcm.batch.provenance import content_digest
 from dask_pcm.batch.run import run_batch
-from dask_pcm.batch.segments import read_predictions
+from dask_pcm.batch.segments import read_by_template
 from dask_pcm.context import causal_lm
 from dask_pcm.fever.data import LABELS, demo_claims, load_claims, sample_claims
 from dask_pcm.fever.fitting import RowErrors, refuse_unfit
@@ -183,7 +183,7 @@ def run_fever(
         else:
             # The run kept no rows: one template's, read from the folder, at a time (a
             # million rows read at once would take the client's memory several times over).
-            parts = ((name, read_predictions(folder, [name], columns)) for name in names)
+            parts = read_by_template(folder, names, columns)
         for name, part in parts:
             seen.add(part)
             yield name, part
