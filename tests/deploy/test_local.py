@@ -34,6 +34,27 @@ def test_local_cluster_workers_do_not_trim_malloc():
     assert dask.config.get("distributed.worker.profile.interval") == "10ms"
 
 
+def _tick(dask_worker=None, dask_scheduler=None) -> float:
+    return (dask_worker or dask_scheduler)._tick_interval
+
+
+def test_local_cluster_processes_check_their_event_loop_less_often():
+    """distributed checks every 20 ms; in a local run the scheduler and nannies share the
+    client's process, and their wake-ups took about 1 % of the cores the workers use."""
+    with dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc, Client(lc) as client:
+        assert client.run_on_scheduler(_tick) == 0.1
+        assert set(client.run(_tick).values()) == {0.1}
+        assert [n._tick_interval for n in lc.workers.values()] == [0.1]
+    with (
+        dask.config.set({"pcm.tick-interval": None}),
+        dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        assert client.run_on_scheduler(_tick) == 0.02  # distributed's own
+        assert set(client.run(_tick).values()) == {0.02}
+    assert dask.config.get("distributed.admin.tick.interval") == "20ms"
+
+
 def _tokens(prompt: str) -> list[int]:
     lm = dask_pcm.get_context("tiny")
     return lm.tokenizer(prompt)["input_ids"]
