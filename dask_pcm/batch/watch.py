@@ -56,10 +56,9 @@ def watched_result(client: Client, future: Future) -> Any:
 def next_batch(queue: as_completed, timeout: float) -> list[Future]:
     """The futures finished by now, waiting up to ``timeout`` seconds for a first one.
 
-    It sleeps on the condition ``queue`` notifies as each future finishes (where it has
-    one, as distributed's own blocking ``next`` does), not in a loop of short sleeps: the
-    client shares two cores with the workers in a local run, and polling every 20 ms cost
-    about 1 % of a core there.
+    It sleeps on the condition ``queue`` notifies as each future finishes, as distributed's
+    own blocking ``next`` does (a private attribute: without it, short sleeps), so that the
+    client wakes when there is work rather than 50 times a second.
     """
     deadline = time.monotonic() + timeout
     condition = getattr(queue, "thread_condition", None)

@@ -11,8 +11,8 @@ The same nanny samples the worker's statistical profiler every ``pcm.worker.prof
 the deep stacks of a forward pass, about 5 % of a core per worker here. The nanny, its worker
 and the scheduler of :func:`local_cluster` check their event loop every ``pcm.tick-interval``
 (100ms) instead of distributed's 20ms: in a local run the client's process hosts the
-scheduler and the nannies, and their 150 wake-ups a second took about 1 % of the cores the
-workers share with it. Unless
+scheduler and the nannies, and their 150 wake-ups a second took about 1 % of a core from the
+workers it shares the cores with. Unless
 ``pcm.worker.template-directory`` is set, its worker keeps template copies in
 ``pcm-templates`` beside the workers' own folders (``dask-scratch-space``), which the
 workers of the host share: one copy of a model per host, not one per worker. Its worker
@@ -60,8 +60,8 @@ class Nanny(distributed.Nanny):
     It does not set ``MALLOC_TRIM_THRESHOLD_`` (``pcm.worker.disable-malloc-trim``, default
     true) and gives its worker a coarser profiler interval (``pcm.worker.profile-interval``,
     default 100ms); it and its worker check their event loop every ``pcm.tick-interval``
-    (default 100ms, distributed's 20ms). On a host with GPUs it claims one for its worker (``CUDA_VISIBLE_DEVICES``;
-    ``pcm.worker.gpu-per-worker``, default true).
+    (default 100ms, distributed's 20ms). On a host with GPUs it claims one for its worker
+    (``CUDA_VISIBLE_DEVICES``; ``pcm.worker.gpu-per-worker``, default true).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
