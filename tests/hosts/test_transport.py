@@ -78,7 +78,8 @@ def test_a_peer_behind_a_1_mbit_link_is_dropped_as_too_slow_and_the_source_serve
 ):
     """The only peer holding the template sits behind a 1 Mbit/s link: a 256 KiB chunk takes
     it 2 s, past the chunk deadline (1 s + 256 KiB at 1 MiB/s). The joiner drops it at the
-    first deadline and copies everything from the source."""
+    first deadline and copies the rest from the source. A small chunk (a tokenizer file) asked
+    of the peer alongside may arrive within its own deadline: no full-size chunk can."""
     settings = _settings(tmp_path, **{"pcm.template.peer-min-bandwidth": "1 MiB/s"})
     manifest = build_manifest(small_model_dir, CHUNK)[0]
     slow = network.add_host(link=1)
@@ -90,8 +91,8 @@ def test_a_peer_behind_a_1_mbit_link_is_dropped_as_too_slow_and_the_source_serve
         assert status_of(client, "llm").loc[peer, "template_held"]
         joiner = start_workers(client, cluster.scheduler_address, [fast])[fast.name]
         row = wait_ready(client, "llm", [joiner], 60).loc[joiner]
-    assert row["bytes_from_source"] == manifest.total_bytes
-    assert row["bytes_from_peers"] == 0
+    assert row["bytes_from_source"] + row["bytes_from_peers"] == manifest.total_bytes
+    assert row["bytes_from_peers"] < CHUNK, row["bytes_from_peers"]
     assert f"dropped template peer {peer}" in fast.log(), fast.log()[-3000:]
     # One deadline, then the source (a local disk here): nothing more.
     assert row["fetch_seconds"] < deadline + 5, row["fetch_seconds"]
