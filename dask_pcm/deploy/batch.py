@@ -54,6 +54,7 @@ from distributed.deploy.adaptive import Adaptive
 from dask_pcm import config
 from dask_pcm.deploy import KINDS, gpu, preemption, with_preload
 from dask_pcm.deploy.jobwatch import HTCondorJob, JobWatch, SGEJob
+from dask_pcm.deploy.requeue import KeepsQueuedJobs
 from dask_pcm.deploy.slurm import SIGNAL_SLACK, SLURMJob
 
 logger = logging.getLogger(__name__)
@@ -83,8 +84,9 @@ class ContextAdaptive(Adaptive):
         return [n for n in names if n not in keep]
 
 
-class _ContextJobs(JobWatch):
-    """Cluster mixin: adaptive scaling by :class:`ContextAdaptive` and the job watchdog."""
+class _ContextJobs(KeepsQueuedJobs, JobWatch):
+    """Cluster mixin: adaptive scaling by :class:`ContextAdaptive`, the job watchdog, and
+    jobs kept while the batch system holds them (:mod:`dask_pcm.deploy.requeue`)."""
 
     def adapt(self, *args: Any, Adaptive: type = ContextAdaptive, **kwargs: Any) -> Any:
         return super().adapt(*args, Adaptive=Adaptive, **kwargs)  # type: ignore[misc]

@@ -168,7 +168,7 @@ class JobWatch:
         queued = await asyncio.to_thread(queued_job_ids, self.kind) if suspects else set()
         if queued is None:
             return []
-        gone = [name for name, job_id in suspects.items() if not _in_queue(job_id, queued)]
+        gone = [name for name, job_id in suspects.items() if not in_queue(job_id, queued)]
         if not gone:
             await self._reopen_lost()
             return []
@@ -372,5 +372,6 @@ def parse_queue(kind: str, text: str) -> set[str]:
     return ids
 
 
-def _in_queue(job_id: str, queued: set[str]) -> bool:
+def in_queue(job_id: str, queued: set[str]) -> bool:
+    """Whether ``job_id`` (or its cluster id, ``123`` of ``123.0``) is among ``queued``."""
     return job_id in queued or job_id.split(".")[0] in queued

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dask
 import pytest
 from distributed import Client
 
@@ -61,7 +62,15 @@ def test_a_warned_worker_hands_its_work_back(tmp_path, tiny_model_dir):
 
 
 def test_a_requeued_job_rejoins_and_no_extra_job_is_submitted(tmp_path, tiny_model_dir):
-    with _slurm_cluster(tmp_path, workers=2) as cluster, Client(cluster) as client:
+    """The requeued job waits in the queue (SLURM's cred_expire, 10 s here) longer than
+    distributed waits for a lost worker (2 s here, 15 s by default): distributed alone would
+    cancel the job then and the watchdog submit another (seen on a slow host)."""
+    timeout = {"distributed.deploy.lost-worker-timeout": "2s"}
+    with (
+        dask.config.set(timeout),
+        _slurm_cluster(tmp_path, workers=2) as cluster,
+        Client(cluster) as client,
+    ):
         client.wait_for_workers(2, timeout=120)
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
         victim = sorted(client.scheduler_info()["workers"])[0]
