@@ -52,6 +52,9 @@ What a long run survives:
   and its worker is restarted through its nanny: a thread cannot be stopped, and a stuck one
   would hold the worker's contexts. Without a nanny the worker is left as it is, with a
   warning. The other tasks lost with the restart run again; none is blamed.
+- **A worker lost while a wave's rows are scattered to it** costs another try of the
+  scatter, on the workers that remain (a closed call is not a lost scheduler: the
+  dispatch asks the scheduler again before it gives up).
 - **A lost scheduler** ends the run with :class:`~dask_pcm.exceptions.ClusterLostError`
   naming the scheduler's address.
 """
@@ -67,7 +70,6 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed import Client, Future, as_completed
-from distributed.comm.core import CommClosedError
 from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
@@ -76,7 +78,13 @@ from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
 from dask_pcm.batch.pieces import Piece, Task, after_loss, pack_wave, task_key
 from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, MIN_IN_FLIGHT, Sizing
 from dask_pcm.batch.units import Unit, WaveRows, Work, error_rows, run_units, unit_tables
-from dask_pcm.batch.watch import TICK, check_cluster, next_batch, scheduler_lost
+from dask_pcm.batch.watch import (
+    TICK,
+    check_cluster,
+    next_batch,
+    scheduler_answers,
+    scheduler_lost,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -84,6 +92,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["MAX_UNITS_PER_TASK", "MIN_IN_FLIGHT", "Dispatch"]
+
+#: Scatters of one wave's rows that may fail with the scheduler alive (workers lost during
+#: them) before the rows travel inside the tasks instead.
+SCATTER_TRIES = 3
 
 
 class Dispatch:
@@ -217,10 +229,9 @@ class Dispatch:
         except BaseException as exc:
             # A call to the scheduler (a gather, a check for overdue tasks) under way when it
             # died ends with its own error: a closed comm, or an OSError after trying to
-            # connect for ``distributed.comm.timeouts.connect``.
-            lost = isinstance(exc, CommClosedError) or (
-                isinstance(exc, OSError) and self.client.status != "running"
-            )
+            # connect for ``distributed.comm.timeouts.connect``. A closed comm is also what
+            # a live scheduler gives when a worker it called for us died: ask it again.
+            lost = isinstance(exc, OSError) and not scheduler_answers(self.client)
             if not lost and self.client.status == "running":
                 self.client.cancel(list(self._running))
             self._running.clear()
@@ -346,8 +357,25 @@ def _lost(rows: Future | WaveRows | None) -> bool:
 def _send(client: Client, wave: WaveRows) -> Future | WaveRows:
     """``wave`` on a worker, as one key the wave's tasks depend on; the rows themselves, to
     travel inside each task, when no worker is running now (a batch cluster's first jobs
-    still queued)."""
-    try:
-        return client.scatter(wave, hash=False, timeout=TICK)
-    except TimeoutError:
-        return wave
+    still queued) or the scatter failed :data:`SCATTER_TRIES` times with the scheduler alive.
+
+    A worker that dies while the scheduler hands it the rows (preempted mid-wave) closes the
+    call's comm; the scheduler registers nothing then, and the next try goes to a worker
+    that remains.
+    """
+    for attempt in range(1, SCATTER_TRIES + 1):
+        try:
+            return client.scatter(wave, hash=False, timeout=TICK)
+        except TimeoutError:  # before OSError: it is one
+            return wave
+        except OSError as exc:
+            if not scheduler_answers(client):
+                raise scheduler_lost(client, f"scattering a wave's rows: {exc}") from exc
+            logger.info(
+                "Scattering a wave's rows failed (%s; try %d of %d): a worker was lost "
+                "during the call, the scheduler is alive",
+                exc,
+                attempt,
+                SCATTER_TRIES,
+            )
+    return wave

@@ -4,7 +4,8 @@
 (:class:`~dask_pcm.exceptions.ClusterLostError`, naming its address), or a batch cluster
 cannot get any worker (its ``raise_if_stuck()``: :class:`~dask_pcm.exceptions.BatchJobError`
 quoting the batch system). The dispatch loop calls it every second; :func:`watched_result`
-waits for one future the same way.
+waits for one future the same way. :func:`scheduler_answers` tells a scheduler that is gone
+from one that closed one call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,22 @@ def check_cluster(client: Client, unfinished: int | None = None) -> None:
     stuck = getattr(client.cluster, "raise_if_stuck", None)
     if stuck is not None:
         stuck()
+
+
+def scheduler_answers(client: Client, timeout: float = 5 * TICK) -> bool:
+    """Whether ``client``'s scheduler answers a fresh call within ``timeout`` seconds.
+
+    A closed comm alone does not say the scheduler is gone: a handler of the scheduler that
+    calls a worker (a scatter's hand-over of the data) closes the client's comm when that
+    worker dies during the call, as if the client's own connection had dropped.
+    """
+    if client.status not in ("running", "newly-created"):
+        return False
+    try:
+        client.sync(client.scheduler.identity, callback_timeout=timeout)
+    except Exception:
+        return False
+    return True
 
 
 def scheduler_lost(client: Client, why: str) -> ClusterLostError:

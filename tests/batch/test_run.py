@@ -11,6 +11,7 @@ import time
 
 import pytest
 from distributed import Client
+from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_pcm
 from dask_pcm.batch.segments import read_predictions
@@ -219,3 +220,52 @@ def test_a_row_that_kills_its_worker_costs_that_row_only(process_cluster, llm, t
     # (alone on the cluster): four, not a restart loop.
     assert len(log.read_text().split()) == 4
     assert result.report["lost_rows"] == 1
+
+
+class _DieOnScatter(WorkerPlugin):
+    """A worker plugin: the first worker handed a wave's rows (a scatter of a ``WaveRows``
+    key) exits on the spot, while the scheduler's scatter call to it is still open. The
+    file ``marker`` makes it one death per test, whichever worker process meets it."""
+
+    name = "die-on-scatter"
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def setup(self, worker) -> None:
+        handler = worker.handlers["update_data"]
+        marker = self.marker
+
+        def update_data(data=None, **kwargs):
+            if any(str(k).startswith("WaveRows") for k in data or ()):
+                try:
+                    fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    pass
+                else:
+                    os.close(fd)
+                    os._exit(1)
+            return handler(data=data, **kwargs)
+
+        worker.handlers["update_data"] = update_data
+
+
+def _slow_lengths(rows):
+    time.sleep(0.05)
+    return [{"n": len(r["text"])} for r in rows]
+
+
+def test_a_worker_lost_while_its_wave_is_scattered_costs_a_retry(process_cluster, llm, tmp_path):
+    """The scheduler's scatter to a worker that died during it used to end the run with
+    ClusterLostError ("Stream is closed") although the scheduler was alive: the SLURM and
+    emulated-host soaks failed on it in CI."""
+    client = process_cluster
+    marker = tmp_path / "died"
+    client.register_plugin(_DieOnScatter(str(marker)))
+    result = dask_pcm.run_batch(
+        _slow_lengths, ROWS, contexts=llm, cluster=client, rows_per_unit=2, progress=False
+    )
+    assert marker.exists()  # a worker did die in the scatter
+    out = result.to_pandas().sort_values("id")
+    assert list(out["id"]) == list(range(40))  # every row, once
+    assert out["n"].notna().all()
