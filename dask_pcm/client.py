@@ -13,14 +13,12 @@ from dask.utils import parse_timedelta
 from distributed.protocol.pickle import dumps
 
 from dask_pcm import config
-from dask_pcm.context import Context
+from dask_pcm.context import Context, template_manifest
 from dask_pcm.exceptions import ContextLoadError, PCMError
 from dask_pcm.protocol import COLUMNS, SETTLE_OP
 from dask_pcm.scheduler import registration
 from dask_pcm.tasks import ContextTask
-from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.sources import EMBEDDED
-from dask_pcm.templates.tree import list_template
 from dask_pcm.worker import ContextPlugin
 
 if TYPE_CHECKING:
@@ -119,6 +117,14 @@ def register(
     return _table(answer["rows"])
 
 
+def install_scheduler_plugin(client: Client) -> None:
+    """Install dask_pcm's scheduler plugin on ``client``'s scheduler where no preload or
+    earlier :func:`register` did, without declaring a context: what a run of a function
+    that needs no context still relies on (a task that kills its worker errs at the first
+    death, :data:`~dask_pcm.protocol.LOSSES_ANNOTATION`)."""
+    client.run_on_scheduler(registration.declare, [], False)
+
+
 def _declaration(ctx: Context, level: str | None) -> dict[str, Any]:
     """What :func:`dask_pcm.scheduler.registration.declare` needs of one context."""
     chosen = config.check_level(ctx.level or level or config.default_level())
@@ -166,11 +172,11 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
     if not (template == EMBEDDED or os.path.exists(template)):
         return None
     try:
-        manifest, _ = build_manifest(list_template(template, ctx.loader))
+        manifest = template_manifest(ctx)  # the one a batch run's provenance records
     except PCMError as exc:
         logger.info("No peer-to-peer template for %r: %s", ctx.name, exc)
         return None
-    return manifest.to_json()
+    return None if manifest is None else manifest.to_json()
 
 
 def _seconds(value: float | str) -> float:

@@ -10,7 +10,9 @@ from typing import Any
 
 from dask_pcm import config
 from dask_pcm.loaders.llm import CausalLM
+from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.sources import EMBEDDED
+from dask_pcm.templates.tree import list_template
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
@@ -78,6 +80,41 @@ class Context:
             object.__setattr__(self, "template", os.fspath(self.template))
         if self.level is not None:
             config.check_level(self.level)
+
+
+def template_manifest(ctx: Context) -> Manifest | None:
+    """The manifest of ``ctx``'s template files, as its loader lists them: the one identity
+    of the context's files that a batch run records (:attr:`Manifest.content`) and that the
+    template transport copies by (:attr:`Manifest.digest`).
+
+    The files are those the loader's ``list_files(template)`` names (a model's selection,
+    for :class:`dask_pcm.CausalLM`), else every file of the folder or the file itself
+    (:func:`dask_pcm.templates.tree.tree_files`): any folder or file is a template. The
+    bytes are read and hashed once per process and then once per change of a file's size
+    or modification time (:func:`dask_pcm.templates.manifest.build_manifest`).
+
+    Returns ``None`` for a context without files (``template=None``) and for a template
+    that is no local path, given to a loader without ``list_files`` (a name only that loader
+    understands).
+
+    Raises
+    ------
+    ModelSourceError
+        The template cannot be listed (the message names the path and the file).
+
+    Example
+    -------
+    >>> ctx = Context("index", load_index, template="/data/index")    # doctest: +SKIP
+    >>> template_manifest(ctx).content                                  # doctest: +SKIP
+    '9b1e...'
+    """
+    template = ctx.template
+    if template is None:
+        return None
+    if not hasattr(ctx.loader, "list_files") and not os.path.exists(template):
+        return None
+    manifest, _ = build_manifest(list_template(template, ctx.loader))
+    return manifest
 
 
 def causal_lm(

@@ -10,6 +10,7 @@ rows must fit in the client's memory; Arrow-backed dicts of a few million short 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,10 @@ def read_rows(data: Any, id_column: str) -> tuple[list[dict[str, Any]], str | No
         without ``id_column``, or an id seen twice (naming both rows).
     """
     path: str | None = None
+    lines: list[int] | None = None
     if isinstance(data, str | os.PathLike):
         path = str(data)
-        rows = _read_file(Path(data))
+        rows, lines = _read_file(Path(data))
     elif hasattr(data, "to_delayed") and hasattr(data, "npartitions"):  # a dask DataFrame
         rows = []
         for part in data.to_delayed():
@@ -46,15 +48,21 @@ def read_rows(data: Any, id_column: str) -> tuple[list[dict[str, Any]], str | No
             f"data must be a path, a pandas or dask DataFrame or a list of dicts, not "
             f"{type(data).__name__}"
         )
-    check_ids(rows, id_column, path)
+    check_ids(rows, id_column, path, lines)
     return rows, path
 
 
-def check_ids(rows: list[Any], id_column: str, path: str | None) -> None:
-    """Every row a dict with ``id_column``, no id twice."""
+def check_ids(
+    rows: list[Any], id_column: str, path: str | None, lines: list[int] | None = None
+) -> None:
+    """Every row a dict with ``id_column``, an id that is not missing (``None``, NaN), no id
+    twice; ``lines``: each row's line in the file at ``path``, for the messages."""
     seen: dict[Any, int] = {}
     for number, row in enumerate(rows, start=1):
-        where = f"{path}: row {number}" if path else f"row {number}"
+        if lines is not None:
+            where = f"{path}:{lines[number - 1]}"
+        else:
+            where = f"{path}: row {number}" if path else f"row {number}"
         if not isinstance(row, dict):
             raise BatchInputError(f"{where} is {type(row).__name__}, not a dict")
         if id_column not in row:
@@ -63,6 +71,10 @@ def check_ids(rows: list[Any], id_column: str, path: str | None) -> None:
                 "name the id column with id_column="
             )
         key = row[id_column]
+        if key is None or (isinstance(key, float) and math.isnan(key)):
+            raise BatchInputError(
+                f"{where}: the id ({id_column!r}) is missing ({key!r}); every row needs one"
+            )
         try:
             first = seen.setdefault(key, number)
         except TypeError:
@@ -71,7 +83,9 @@ def check_ids(rows: list[Any], id_column: str, path: str | None) -> None:
             raise BatchInputError(f"{where}: id {key!r} again (first in row {first})")
 
 
-def _read_file(path: Path) -> list[dict[str, Any]]:
+def _read_file(path: Path) -> tuple[list[dict[str, Any]], list[int] | None]:
+    """The rows of the file at ``path`` and the line each starts on (``None`` for
+    Parquet)."""
     if not path.exists():
         raise BatchInputError(f"{path}: no such file or folder")
     suffix = path.suffix.lower()
@@ -81,12 +95,13 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
         if suffix == ".parquet" or path.is_dir():
             import pyarrow.parquet as pq
 
-            return list(pq.read_table(path).to_pylist())
+            return list(pq.read_table(path).to_pylist()), None
         if suffix in CSV_SUFFIXES:
             import pandas as pd
 
             frame = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",")
-            return list(frame.to_dict("records"))
+            # Line 1 is the header (a quoted field over several lines shifts the rest).
+            return list(frame.to_dict("records")), list(range(2, len(frame) + 2))
     except BatchInputError:
         raise
     except (OSError, ValueError) as exc:
@@ -97,8 +112,9 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     )
 
 
-def _read_json_lines(path: Path) -> list[dict[str, Any]]:
+def _read_json_lines(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     rows = []
+    lines = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
@@ -124,4 +140,5 @@ def _read_json_lines(path: Path) -> list[dict[str, Any]]:
                     f"{path}:{number}: not valid Unicode (a lone surrogate)"
                 ) from None
             rows.append(row)
-    return rows
+            lines.append(number)
+    return rows, lines

@@ -77,7 +77,15 @@ from dask_pcm import protocol
 from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
 from dask_pcm.batch.pieces import Piece, Task, after_loss, pack_wave, task_key
 from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, MIN_IN_FLIGHT, Sizing
-from dask_pcm.batch.units import Unit, WaveRows, Work, error_rows, run_units, unit_tables
+from dask_pcm.batch.units import (
+    OutputColumns,
+    Unit,
+    WaveRows,
+    Work,
+    error_rows,
+    run_units,
+    unit_tables,
+)
 from dask_pcm.batch.watch import (
     TICK,
     check_cluster,
@@ -104,7 +112,9 @@ class Dispatch:
     Parameters
     ----------
     client
-        A client whose cluster has ``work.contexts`` registered.
+        A client whose cluster has ``work.contexts`` registered (and dask_pcm's scheduler
+        plugin, which a run without contexts installs with
+        :func:`dask_pcm.client.install_scheduler_plugin`).
     todo
         The units, in the order they should run (consecutive units of one group are packed
         together).
@@ -154,6 +164,7 @@ class Dispatch:
         self._again: deque[Task] = deque()  # tasks whose wave's rows were lost: run again
         self._quarantine: deque[Piece] = deque()  # lost single rows, run one at a time
         self._parts: dict[str, list[tuple[int, pa.Table]]] = {}
+        self.columns = OutputColumns()  # the output's column types so far
         self._totals = {u.name: len(u.rows) for u in todo}  # rows of each unit
         self._attempts: dict[str, int] = {}
         self._ticked = time.monotonic()
@@ -193,21 +204,25 @@ class Dispatch:
         for task in tasks:
             task.rows = rows
         # Given up at the first worker that dies running it: the loop splits it then.
+        arguments = (
+            [work.fn] * len(tasks),
+            [rows] * len(tasks),
+            ranges,
+            [t.pieces[0].unit.group for t in tasks],
+        )
+        options: dict[str, Any] = dict(
+            kwargs=dict(work.kwargs),
+            layout=work.layout,
+            key=[task_key(t) for t in tasks],
+            priority=-self._waves,  # earlier waves first
+            pure=False,
+        )
         with dask.annotate(**{protocol.LOSSES_ANNOTATION: 1}):
-            futures = pcm.map(
-                self.client,
-                run_units,
-                [work.fn] * len(tasks),
-                [rows] * len(tasks),
-                ranges,
-                [t.pieces[0].unit.group for t in tasks],
-                kwargs=dict(work.kwargs),
-                layout=work.layout,
-                context=list(work.contexts),
-                key=[task_key(t) for t in tasks],
-                priority=-self._waves,  # earlier waves first
-                pure=False,
-            )
+            if work.contexts:
+                context = list(work.contexts)
+                futures = pcm.map(self.client, run_units, *arguments, context=context, **options)
+            else:  # a function that needs no context: any worker
+                futures = self.client.map(run_units, *arguments, **options)
         self.tasks += len(tasks)
         self._running.update(zip(futures, tasks, strict=True))
         return futures
@@ -296,15 +311,23 @@ class Dispatch:
         parts.append((piece.start, table))
         if sum(t.num_rows for _, t in parts) < self._totals[name]:
             return
-        del self._parts[name]
-        del self._totals[name]
         if len(parts) == 1:
             whole = parts[0][1]
         else:
             import pyarrow as pa
 
             parts.sort(key=lambda part: part[0])
-            whole = pa.concat_tables([t for _, t in parts], promote_options="default")
+            try:
+                whole = pa.concat_tables([t for _, t in parts], promote_options="permissive")
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+                self._unit_failed(piece.unit, _record("TypeError", f"unit {name}: {exc}"))
+                return
+        problem = self.columns.admit(name, whole)
+        if problem is not None:
+            self._unit_failed(piece.unit, _record("TypeError", problem))
+            return
+        del self._parts[name]
+        del self._totals[name]
         self.on_unit(name, whole)
         self.progress(1)
 
@@ -347,6 +370,11 @@ class Dispatch:
             self.lost_rows += 1
             table = error_rows(loss.blamed.unit, loss.message, self.work.layout)
             self._piece_done(loss.blamed, table)
+
+
+def _record(kind: str, message: str) -> dict[str, Any]:
+    """An error record of a unit that failed on the client, not in its function."""
+    return {"type": kind, "message": message, "traceback": None, "worker": None}
 
 
 def _lost(rows: Future | WaveRows | None) -> bool:

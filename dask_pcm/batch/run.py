@@ -28,7 +28,7 @@ from dask_pcm.batch import cluster as clusters
 from dask_pcm.batch.data import read_rows
 from dask_pcm.batch.dispatch import Dispatch
 from dask_pcm.batch.failures import raise_unit_error
-from dask_pcm.batch.provenance import content_digest, loader_spec, rows_digest
+from dask_pcm.batch.provenance import context_record, function_digest, rows_digest
 from dask_pcm.batch.segments import read_predictions
 from dask_pcm.batch.store import OutputStore
 from dask_pcm.batch.units import Layout, Unit, Work, make_units
@@ -87,7 +87,7 @@ class BatchResult:
 
         if not self._tables:
             return pd.DataFrame(columns=columns)
-        table = pa.concat_tables(self._tables, promote_options="default").to_pandas()
+        table = pa.concat_tables(self._tables, promote_options="permissive").to_pandas()
         if columns is None:
             return table
         return table.reindex(columns=columns)  # a column no row has is all missing
@@ -113,6 +113,7 @@ def run_batch(
     carry: Sequence[str] = (),
     output: str | os.PathLike[str] | None = None,
     provenance: Mapping[str, Any] | None = None,
+    accept_changes: Sequence[str] = (),
     on_error: str = "raise",
     timeout: float | None = None,
     level: str | None = None,
@@ -135,7 +136,9 @@ def run_batch(
         DataFrame (computed on the client, a partition at a time).
     contexts
         :class:`~dask_pcm.Context` objects (registered at ``level`` for the run, recorded by
-        content in the provenance) or names of contexts registered already.
+        content in the provenance) or names of contexts registered already. None (the
+        default): ``fn`` needs no context and runs on any worker, with the same resume,
+        errors, timeouts and isolation of rows that kill workers.
     cluster
         ``None``/``"local"``, ``"sge"``, ``"htcondor"``, a scheduler address, a
         ``distributed.Client`` or a cluster; a client or cluster of yours stays open and
@@ -157,7 +160,15 @@ def run_batch(
     provenance
         Keys added to (or replacing) what is recorded automatically: each context's content
         digest and loader, the function's name and ``fn_kwargs``, the rows per unit, the
-        input's digest and the groups. A resume refuses a folder where any differs.
+        input's digest and the groups. A resume refuses a folder where any differs. A key
+        given here replaces the automatic one: ``provenance={"function": "v2"}`` records
+        that name for the function instead of its code digest (a later run resumes with the
+        same name, whatever the code).
+    accept_changes
+        Provenance keys (``"function"``, ``"kwargs"``, ``"contexts"``...) whose change this
+        resume accepts: you vouch that the change cannot change a result (a refactored
+        function, say). The folder's results are kept and the new values recorded, so the
+        next run resumes without it.
     on_error
         ``"raise"``: stop at the first unit whose function raises (or times out), naming it
         (:class:`~dask_pcm.exceptions.UnitError`). ``"skip"``: record it (``errors``, and
@@ -213,7 +224,11 @@ def run_batch(
     with contextlib.ExitStack() as stack:
         # SIGTERM (walltime, docker stop, kill PID) unwinds like Ctrl-C: what finished is kept.
         stack.enter_context(terminate_as_interrupt())
-        store = stack.enter_context(OutputStore(output, recorded)) if output else None
+        store = (
+            stack.enter_context(OutputStore(output, recorded, accept_changes=accept_changes))
+            if output
+            else None
+        )
         done = store.done() if store else set()
         todo = [u for u in units if u.name not in done]
 
@@ -335,6 +350,8 @@ def _register(client: Client, declared: dict[str, Context | None], level: str) -
     if contexts:
         # Work starts on the first worker ready; the others get tasks as they finish loading.
         pcm.register(client, *contexts, level=level, wait="first")
+    elif not declared:  # a function that needs no context: any worker runs it
+        pcm.install_scheduler_plugin(client)
 
 
 def record(
@@ -348,14 +365,12 @@ def record(
     path: str | None,
 ) -> dict[str, Any]:
     """The provenance recorded automatically (see :mod:`dask_pcm.batch.provenance`)."""
-    contexts = {
-        name: None
-        if c is None
-        else {"digest": content_digest(c.template), "loader": loader_spec(c.loader)}
-        for name, c in declared.items()
-    }
+    contexts: dict[str, Any] = {}
+    files: dict[str, dict[str, str]] = {}
+    for name, c in declared.items():
+        contexts[name], files[name] = (None, {}) if c is None else context_record(c)
     return {
-        "function": f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}",
+        "function": function_digest(fn),
         "kwargs": _json(fn_kwargs),
         "input": rows_digest(rows),
         "rows_per_unit": rows_per_unit,
@@ -365,6 +380,7 @@ def record(
         "info": {
             "input": path,
             "contexts": {n: None if c is None else str(c.template) for n, c in declared.items()},
+            "files": files,  # per context, each file's SHA-256: names the file that changed
         },
     }
 

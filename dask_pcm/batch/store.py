@@ -49,6 +49,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dask-pcm-batch-output/1"
+FORMAT = "dask-pcm-batch-output/2"
 
 
 class OutputStore:
@@ -98,6 +99,9 @@ class OutputStore:
         compared on a resume but ``info``; ``groups`` entry by entry).
     segment_rows, flush_interval
         Default ``pcm.batch.segment-rows`` and ``pcm.batch.flush-interval``.
+    accept_changes
+        Provenance keys whose change a resume accepts: the folder's results are kept and
+        this run's values recorded (the caller vouches that they give the same results).
 
     Example
     -------
@@ -112,9 +116,11 @@ class OutputStore:
         provenance: dict[str, Any],
         segment_rows: int | None = None,
         flush_interval: float | None = None,
+        accept_changes: Sequence[str] = (),
     ) -> None:
         self.root = Path(root)
         self.provenance = {"format": FORMAT, **provenance}
+        self.accept_changes = tuple(accept_changes)
         self.segment_rows = segment_rows or int(config.batch("segment-rows"))
         if self.segment_rows < 1:
             raise ValueError(f"pcm.batch.segment-rows must be at least 1, not {self.segment_rows}")
@@ -190,7 +196,7 @@ class OutputStore:
                     f"output folder {self.root}: {MANIFEST} cannot be read ({exc}); delete "
                     f"the folder to start over"
                 ) from exc
-            changed = differences(old, new)
+            changed = differences(old, new, self.accept_changes)
             if changed:
                 raise OutputFolderError(
                     f"output folder {self.root} holds predictions of another run: "
@@ -256,7 +262,7 @@ class OutputStore:
             self._errors_changed = False
         if not self._unindexed:
             return
-        table = pa.concat_tables(self._tables, promote_options="default")
+        table = pa.concat_tables(self._tables, promote_options="permissive")
         metadata = {**(table.schema.metadata or {}), UNITS_KEY: json.dumps(self._open.units)}
         buffer = pa.BufferOutputStream()
         pq.write_table(table.replace_schema_metadata(metadata), buffer)

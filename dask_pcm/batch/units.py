@@ -146,9 +146,9 @@ def run_units(
         records.append(done)
     outcome: dict[str, Any] = {"units": out, "errors": errors}
     try:
-        outcome["table"] = _table([row for done in records for row in done])
+        outcome["table"] = _table([row for done in records for row in done], layout.id_column)
     except (TypeError, ValueError) as exc:  # values of one column that no one type holds
-        outcome["tables"] = _each(out, records, errors, exc)
+        outcome["tables"] = _each(out, records, errors, exc, layout.id_column)
     outcome["seconds"] = time.perf_counter() - start
     outcome["worker"] = _worker_address()
     return outcome
@@ -159,6 +159,7 @@ def _each(
     records: list[list[dict[str, Any]]],
     errors: dict[str, dict[str, Any]],
     why: Exception,
+    id_column: str,
 ) -> list[pa.Table | None]:
     """A table per unit, when the units' rows do not make one table (``why``); a unit whose
     own rows do not make one is an error."""
@@ -169,7 +170,7 @@ def _each(
             tables.append(None)
             continue
         try:
-            tables.append(_table(next(done)))
+            tables.append(_table(next(done), id_column))
         except (TypeError, ValueError) as exc:
             errors[name] = _error(exc)
             units[i] = (name, None)
@@ -224,21 +225,135 @@ def output_rows(result: Any, keys: list[dict[str, Any]], name: str) -> list[dict
         raise ValueError(
             f"unit {name}: the function returned {len(rows)} rows for {len(keys)} input rows"
         )
-    for row in rows:
+    for number, (key, row) in enumerate(zip(keys, rows, strict=True), start=1):
         if not isinstance(row, Mapping):
             raise TypeError(f"unit {name}: a row is {type(row).__name__}, not a dict")
+        for column, value in key.items():
+            if column in row and not _same(row[column], value):
+                raise ValueError(
+                    f"unit {name}: returned row {number} has {column} {row[column]!r} where "
+                    f"input row {number} has {value!r}: return one row per input row, in "
+                    f"order, with its {column!r} (or leave the column out: it is added)"
+                )
     return [{**key, **row} for key, row in zip(keys, rows, strict=True)]
 
 
-def _table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+def _same(returned: Any, given: Any) -> bool:
+    """Whether a key value the function returned is the one it was given (the same value
+    through a DataFrame may come back as another number type, or NaN for a missing one)."""
+    try:
+        if returned == given:
+            return True
+    except Exception:  # an array's comparison, say
+        return False
+    both_missing = all(v is None or (isinstance(v, float) and v != v) for v in (returned, given))
+    return both_missing
+
+
+def _table(rows: Sequence[Mapping[str, Any]], id_column: str | None = None) -> pa.Table:
     """``rows`` as an Arrow table: a column for every key of any row, in the order they
-    first appear, missing values null."""
+    first appear, missing values null.
+
+    Raises
+    ------
+    TypeError
+        A column's values fit no one type (an int in one row, a string in another): the
+        message names the column and two rows that differ (by ``id_column`` where given).
+    """
     import pyarrow as pa
 
     if rows and len(set().union(*rows)) > len(rows[0]):  # Arrow names columns by row one
         names = dict.fromkeys(key for row in rows for key in row)
         rows = [{n: rows[0].get(n) for n in names}, *rows[1:]]
-    return pa.Table.from_pylist(list(rows))
+    try:
+        return pa.Table.from_pylist(list(rows))
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+        raise TypeError(_mixed_column(rows, id_column) or str(exc)) from exc
+
+
+def _mixed_column(rows: Sequence[Mapping[str, Any]], id_column: str | None) -> str | None:
+    """Which column of ``rows`` Arrow cannot make one type of, and two rows that show it."""
+    import pyarrow as pa
+
+    for column in dict.fromkeys(key for row in rows for key in row):
+        values = [row.get(column) for row in rows]
+        try:
+            pa.array(values)
+            continue
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+            pass
+        first = next(i for i, v in enumerate(values) if v is not None)
+        kind = type(values[first])
+        other = next(
+            (i for i, v in enumerate(values) if v is not None and type(v) is not kind), None
+        )
+        if other is None:  # one Python type Arrow still refuses (nested values, say)
+            return f"column {column!r} holds values Arrow cannot store ({kind.__name__})"
+
+        def where(i: int) -> str:
+            if id_column and id_column in rows[i]:
+                return f"the row with {id_column} {rows[i][id_column]!r}"
+            return f"row {i + 1}"
+
+        return (
+            f"column {column!r} holds {kind.__name__} {values[first]!r} in {where(first)} "
+            f"and {type(values[other]).__name__} {values[other]!r} in {where(other)}: a "
+            "column takes one type; convert its values in the function (e.g. with str())"
+        )
+    return None
+
+
+class OutputColumns:
+    """The type of each output column so far in a run, and the unit that set it: a unit
+    whose column needs another type (a string where earlier units wrote integers) is that
+    unit's error, not a failure of the whole output when its rows are put together.
+    Numbers widen (integers and floats make floats) and a column of nulls takes any type,
+    as when segments are read back."""
+
+    def __init__(self) -> None:
+        self._schema: pa.Schema | None = None
+        self._set_by: dict[str, str] = {}
+
+    def admit(self, name: str, table: pa.Table) -> str | None:
+        """Take unit ``name``'s ``table`` into the run's columns; why not, if it does not fit."""
+        import pyarrow as pa
+
+        if self._schema is None:
+            merged = table.schema
+        else:
+            try:
+                merged = pa.unify_schemas(
+                    [self._schema, table.schema], promote_options="permissive"
+                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                return self._misfit(name, table)
+        for column in table.schema:
+            if not pa.types.is_null(column.type):
+                self._set_by.setdefault(column.name, name)
+        self._schema = merged
+        return None
+
+    def _misfit(self, name: str, table: pa.Table) -> str:
+        import pyarrow as pa
+
+        assert self._schema is not None
+        for column in table.schema:
+            if column.name not in self._schema.names:
+                continue
+            known = self._schema.field(column.name).type
+            try:
+                pa.unify_schemas(
+                    [pa.schema([pa.field(column.name, known)]), pa.schema([column])],
+                    promote_options="permissive",
+                )
+            except (pa.ArrowInvalid, pa.ArrowTypeError):
+                return (
+                    f"unit {name}: column {column.name!r} is {column.type} here but "
+                    f"{known} in unit {self._set_by.get(column.name, '?')}: a column takes "
+                    "one type across the run; convert its values in the function (e.g. with "
+                    "str())"
+                )
+        return f"unit {name}: its columns do not fit those of the units before it"
 
 
 def error_rows(unit: Unit, message: str, layout: Layout) -> pa.Table:

@@ -166,7 +166,7 @@ def run_fever(
         method=method,
         prefix_cache=prefix_cache,
         truncate=truncate,
-        model_digest=content_digest(context.template),
+        model_digest=content_digest(context),
     )
     columns = ["template", "claim_id", "label", "predicted", "error", "truncated_tokens"]
     if method == "logits":

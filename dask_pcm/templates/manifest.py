@@ -68,18 +68,22 @@ __all__ = [
 FORMAT = "dask-pcm-template/1"
 MANIFEST_NAME = ".dask-pcm-manifest.json"
 _PIECE = 1 << 20  # hashing and copying read this much at a time
-# Part of the manifest cache's key: a manifest cached before the cache held ``entry``
-# must be built again (its digest comes out the same).
-_CACHE_LAYOUT = 2
+# Part of the manifest cache's key: a manifest cached before the cache held ``entry`` and
+# each file's whole SHA-256 must be built again (its digest comes out the same).
+_CACHE_LAYOUT = 3
+# Manifests built in this process, by the cache key (paths, sizes, modification times).
+_BUILT: dict[str, Manifest] = {}
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a template: its path relative to the root (POSIX), size and chunk digests."""
+    """One file of a template: its path relative to the root (POSIX), size, chunk digests
+    and the SHA-256 of the whole file (``""`` in a manifest written before it was kept)."""
 
     path: str
     size: int
     chunks: tuple[str, ...]
+    sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,10 @@ class Manifest:
     ``entry`` is where a copy's loader is pointed: ``""`` for the copy's folder, or the
     file of a single-file template. It says how to read the files, not what they are, so
     it is left out of the digest (a folder holding one file and that file are one copy).
+
+    ``digest`` names a copy as it is cut into chunks (it changes with ``chunk_size``);
+    :attr:`content` names the files whatever the chunk size: both come from the one pass
+    over the bytes that builds the manifest.
     """
 
     chunk_size: int
@@ -114,6 +122,20 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def content(self) -> str:
+        """SHA-256 of the files' paths, sizes and whole-file digests: what the template is,
+        whatever path names it and whatever ``pcm.template.chunk-size`` cuts it into (the
+        identity a batch run's provenance records)."""
+        missing = [f.path for f in self.files if not f.sha256]
+        if missing:
+            raise ChunkError(
+                f"manifest has no whole-file digest of {missing[0]!r} (written by an older "
+                "dask_pcm): build it again"
+            )
+        canonical = json.dumps([[f.path, f.size, f.sha256] for f in self.files])
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
     def chunk(self, index: int) -> ChunkRef:
         """The file range of chunk ``index`` (chunks are numbered across files, in order)."""
@@ -137,7 +159,8 @@ class Manifest:
             "format": FORMAT,
             "chunk_size": self.chunk_size,
             "files": [
-                {"path": f.path, "size": f.size, "chunks": list(f.chunks)} for f in self.files
+                {"path": f.path, "size": f.size, "chunks": list(f.chunks), "sha256": f.sha256}
+                for f in self.files
             ],
             "digest": self.digest,
         }
@@ -159,7 +182,12 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise ChunkError(f"not a {FORMAT} manifest: format {data.get('format')!r}")
         files = tuple(
-            FileEntry(check_file_name(f["path"]), int(f["size"]), tuple(f["chunks"]))
+            FileEntry(
+                check_file_name(f["path"]),
+                int(f["size"]),
+                tuple(f["chunks"]),
+                str(f.get("sha256", "")),
+            )
             for f in data["files"]
         )
         check_distinct(files)
@@ -195,9 +223,11 @@ def _digest(size: int, files: tuple[FileEntry, ...]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _hash_file(path: Path, size: int) -> tuple[str, ...]:
-    """SHA-256 of each ``size``-byte chunk of ``path`` (the last one may be shorter)."""
+def _hash_file(path: Path, size: int) -> tuple[tuple[str, ...], str]:
+    """SHA-256 of each ``size``-byte chunk of ``path`` (the last one may be shorter), and of
+    the whole file, in one read."""
     digests = []
+    whole = hashlib.sha256()
     with path.open("rb") as f:
         while True:
             h = hashlib.sha256()
@@ -207,13 +237,14 @@ def _hash_file(path: Path, size: int) -> tuple[str, ...]:
                 if not piece:
                     break
                 h.update(piece)
+                whole.update(piece)
                 n += len(piece)
             if n == 0:
                 break
             digests.append(h.hexdigest())
             if n < size:
                 break
-    return tuple(digests)
+    return tuple(digests), whole.hexdigest()
 
 
 def build_manifest(
@@ -247,20 +278,24 @@ def build_manifest(
     stamps = [[n, s.st_size, s.st_mtime_ns] for n, s in stats]
     layout = [_CACHE_LAYOUT, str(root.resolve()), size, listed.entry, stamps]
     key = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+    if key in _BUILT:  # this process listed the same files already (one run, many uses)
+        return _BUILT[key], root
     cache = config.cache_directory() / "manifests" / f"{key}.json"
     if cache.is_file():
         try:
             cached = Manifest.from_json(cache.read_text())
             logger.info("Manifest of %s cached: %.2f s", root, time.perf_counter() - began)
+            _BUILT[key] = cached
             return cached, root
         except (ChunkError, ValueError, KeyError):
             pass  # rebuilt below
-    files = tuple(FileEntry(name, st.st_size, _hash_file(root / name, size)) for name, st in stats)
+    files = tuple(FileEntry(name, st.st_size, *_hash_file(root / name, size)) for name, st in stats)
     manifest = Manifest(size, files, _digest(size, files), listed.entry)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(manifest.to_json())
     os.replace(tmp, cache)
+    _BUILT[key] = manifest
     logger.info("Manifest of %s hashed: %.2f s", root, time.perf_counter() - began)
     return manifest, root
 
