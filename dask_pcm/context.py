@@ -37,7 +37,9 @@ class Context:
         or a small object such as :class:`dask_pcm.CausalLM`). Optional methods:
         ``release(obj)``, called when a built object is dropped; ``estimate_bytes(location)``,
         the memory a build will take; ``list_files(template)``, which files of the template
-        travel (:func:`dask_pcm.templates.tree.list_template`; every file by default).
+        travel (:func:`dask_pcm.templates.tree.list_template`; every file by default). A
+        built object with an ``origin`` attribute that is ``None`` gets the template there,
+        so that its messages can name what the user gave rather than the worker's copy.
     template : str or path, optional
         What the loader builds from. Any local directory (subfolders included) or file is
         copied to each worker's disk chunk by chunk, peer to peer, at levels ``full`` and

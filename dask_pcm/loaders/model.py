@@ -19,6 +19,8 @@ from dask_pcm.loaders.gpu import context_length
 from dask_pcm.loaders.gpu import prompt_problem as gpu_prompt_problem
 from dask_pcm.loaders.passes import by_length, rows_for
 from dask_pcm.loaders.prefix import PrefixCache, States, last_logits
+from dask_pcm.templates.embedded import EMBEDDED_NAME
+from dask_pcm.templates.sources import EMBEDDED
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +79,10 @@ class LanguageModel:
     device
         Where the model lives, e.g. ``"cpu"`` or ``"cuda:0"``.
     source
-        The location it was loaded from.
+        The location it was loaded from (on a worker, its own copy of the template).
+    origin
+        The model as its context names it (the path or id the user gave), which the worker
+        that built it sets; messages name it (:attr:`label`).
     batch_size
         Most prompts per forward pass on this worker.
     dtype
@@ -110,6 +115,14 @@ class LanguageModel:
     dtype: str = "float32"
     memory_budget: int | None = None
     device_bytes: int | None = None
+    origin: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The model as messages name it: :attr:`origin` where known, else :attr:`source`."""
+        if self.origin == EMBEDDED:
+            return f"{EMBEDDED} ({EMBEDDED_NAME})"
+        return self.origin or self.source
     warning: str | None = None
     prefix_cache: PrefixCache | None = field(default=None, repr=False, compare=False)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
@@ -264,7 +277,7 @@ def prompt_problem(
     "100000 tokens exceed the model's context of 8192 tokens"
     """
     element = next(lm.model.parameters()).element_size()
-    where = f"{lm.device} (model {lm.source})"
+    where = f"{lm.device} (model {lm.label})"
     return gpu_prompt_problem(
         lm.model.config, element, lm.memory_budget, tokens, method, new_tokens, where
     )

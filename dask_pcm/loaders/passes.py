@@ -95,7 +95,7 @@ def in_passes(
                 error = f"{type(exc).__name__}: {exc}"
             # Out of the except block: the failed pass's tensors are unreachable now.
             free_cached_memory(sys.modules.get("torch"))
-            where = f"{lm.device} ({method}, model {lm.source})"
+            where = f"{lm.device} ({method}, model {lm.label})"
             rows = halved(len(chunk) if sizes is None else rows, where, error)
             lm.batch_size = min(lm.batch_size, rows)
     return parts

@@ -70,6 +70,9 @@ class Holder:
         start = time.perf_counter()
         preimport.wait()  # no import of the same modules in two threads at once
         value = self.context.loader(life.get("location"))
+        if getattr(value, "origin", False) is None:
+            # Built from this worker's copy: its messages name what the user gave.
+            value.origin = self.context.template
         elapsed = time.perf_counter() - start
         life.add(loads=1, load_seconds=elapsed)
         life.update(

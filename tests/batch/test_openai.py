@@ -123,6 +123,9 @@ def test_a_mixed_file_is_answered_once_each_in_the_batch_apis_format(tiny_model_
         "hot": "invalid_request",
     }
     assert all(e["response"] is None and e["error"]["message"] for e in errors)
+    # The model as the user gave it, not the worker's copy in its scratch folder.
+    (too_long,) = [e["error"]["message"] for e in errors if e["custom_id"] == "long"]
+    assert f"cannot run on model {tiny_model_dir}" in too_long and "pcm-templates" not in too_long
 
     # A rerun finds every unit done: the same two files, written again, and no warning about
     # them in the folder.
