@@ -301,7 +301,9 @@ def _check(lm: LanguageModel, lengths: list[int], method: str, new_tokens: int) 
     for i, tokens in enumerate(lengths):
         problem = prompt_problem(lm, tokens, method, new_tokens)
         if problem:
-            raise PromptTooLongError(f"row {i}: the prompt cannot run on model {lm.label}: {problem}")
+            raise PromptTooLongError(
+                f"row {i}: the prompt cannot run on model {lm.label}: {problem}"
+            )
 
 
 def _in_passes(

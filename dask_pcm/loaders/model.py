@@ -123,6 +123,7 @@ class LanguageModel:
         if self.origin == EMBEDDED:
             return f"{EMBEDDED} ({EMBEDDED_NAME})"
         return self.origin or self.source
+
     warning: str | None = None
     prefix_cache: PrefixCache | None = field(default=None, repr=False, compare=False)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)

@@ -72,8 +72,9 @@ def test_units_whose_values_no_one_column_holds_come_back_one_table_each():
     assert tables["g--00001"].column("v").to_pylist() == ["four"] * 4
     assert tables["g--00002"] is None
     assert result["errors"]["g--00002"]["type"] == "TypeError"
-    assert "column 'v' holds int 1 in the row with id 8 and str 'x'" in (
-        result["errors"]["g--00002"]["message"]
+    assert (
+        "column 'v' holds int 1 in the row with id 8 and str 'x'"
+        in (result["errors"]["g--00002"]["message"])
     )
 
 
