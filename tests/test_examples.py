@@ -109,3 +109,65 @@ def test_embed_corpus_killed_part_way_resumes_with_every_row_once(tmp_path):
     copies = tmp_path / "worker-templates"
     assert list(copies.glob("**/1_Pooling/config.json"))
     assert list(copies.glob("**/tokenizer/tokenizer.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
+def test_retrieve_faiss_killed_part_way_resumes_with_every_row_once(tmp_path):
+    out, env = tmp_path / "neighbours", _environment(tmp_path)
+    cmd = [
+        sys.executable, str(EXAMPLES / "retrieve_faiss.py"), "--output", str(out),
+        "--queries", str(ROWS), "--passages", "300", "--k", "3", "--workers", "1",
+    ]  # fmt: skip
+    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
+    stdout = _run_to_the_end(cmd, env)
+    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
+    rows = _every_row_once(out)
+    assert rows["passages"].map(len).eq(3).all()
+    assert rows["passages"].map(lambda p: all(x.startswith("p") for x in p)).all()
+    scores = rows["scores"].map(list)
+    assert scores.map(lambda s: s == sorted(s, reverse=True) and s[0] <= 1.0001).all()
+    # One context, one template: the index and the encoder's subfolders travelled together.
+    copies = tmp_path / "worker-templates"
+    assert list(copies.glob("**/index.faiss"))
+    assert list(copies.glob("**/encoder/tokenizer/tokenizer.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
+def test_score_sklearn_killed_part_way_resumes_with_every_row_once(tmp_path):
+    out, env = tmp_path / "scores", _environment(tmp_path)
+    cmd = [
+        sys.executable, str(EXAMPLES / "score_sklearn.py"), "--output", str(out),
+        "--rows", str(ROWS), "--workers", "1",
+    ]  # fmt: skip
+    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
+    stdout = _run_to_the_end(cmd, env)
+    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
+    rows = _every_row_once(out)
+    assert set(rows["predicted"]) == {0, 1} and rows["probability"].between(0.5, 1).all()
+    assert f"{ROWS} rows scored in" in stdout
+    # The single-file template reached the worker as a copy of its own.
+    assert list((tmp_path / "worker-templates").glob("**/classifier.joblib"))
+
+
+@pytest.mark.slow
+@pytest.mark.soak  # a run killed part way, then run again
+@pytest.mark.parametrize("task", ["builtin", "own"])
+def test_embed_sentence_transformers_killed_part_way_resumes_with_every_row_once(task, tmp_path):
+    out, env = tmp_path / f"st-{task}", _environment(tmp_path)
+    cmd = [
+        sys.executable, str(EXAMPLES / "embed_sentence_transformers.py"), "--task", task,
+        "--output", str(out), "--rows", str(ROWS), "--workers", "1",
+    ]  # fmt: skip
+    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
+    stdout = _run_to_the_end(cmd, env)
+    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
+    rows = _every_row_once(out)
+    assert rows["embedding"].map(len).eq(32).all()
+    norms = rows["embedding"].map(lambda v: float(sum(x * x for x in v)) ** 0.5)
+    if task == "builtin":  # embed() normalises, through the model's own encode
+        assert norms.between(0.999, 1.001).all() and rows["tokens"].gt(2).all()
+    else:
+        assert (norms - rows["norm"]).abs().lt(1e-3).all()
+    assert f"{ROWS} embeddings of dimension 32 in" in stdout

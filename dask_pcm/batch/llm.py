@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dask_pcm.exceptions import PromptTooLongError
 from dask_pcm.loaders.generation import (
@@ -31,13 +31,10 @@ from dask_pcm.loaders.generation import (
     sampler,
     stop_position,
 )
-from dask_pcm.loaders.model import prompt_problem
+from dask_pcm.loaders.model import LanguageModel, prompt_problem
 from dask_pcm.loaders.passes import in_passes, kept_prefix
 from dask_pcm.loaders.prefix import packable
 from dask_pcm.tasks import get_context
-
-if TYPE_CHECKING:
-    from dask_pcm.loaders.model import LanguageModel
 
 
 def generate(
@@ -199,7 +196,10 @@ def embed(
     rows
         The unit's rows.
     context
-        The language-model context's name (or a LanguageModel).
+        The context's name (or the object itself): a language model
+        (:class:`~dask_pcm.LanguageModel`), whose last hidden states are averaged, or any
+        encoder with a ``sentence-transformers`` style ``encode(texts,
+        normalize_embeddings=...)`` (a ``SentenceTransformer``), whose own pooling is used.
     text
         The column holding the text.
     normalize
@@ -215,13 +215,16 @@ def embed(
     >>> embed([{"text": "Paris is the capital of France."}])[0]["tokens"]  # doctest: +SKIP
     8
     """
-    lm = _model(context)
+    held = get_context(context) if isinstance(context, str) else context
     texts = []
     for i, row in enumerate(rows):
         value = row.get(text)
         if not isinstance(value, str):
             raise ValueError(f"row {i}: column {text!r} holds no string (got {value!r:.80})")
         texts.append(value)
+    if not isinstance(held, LanguageModel) and callable(getattr(held, "encode", None)):
+        return _encoded(held, texts, normalize)
+    lm: LanguageModel = held
     import torch
 
     with lm.lock, torch.inference_mode():
@@ -242,6 +245,19 @@ def embed(
     return [
         {"embedding": [float(x) for x in v], "tokens": len(seq)}
         for v, seq in zip(matrix.tolist(), ids, strict=True)
+    ]
+
+
+def _encoded(encoder: Any, texts: list[str], normalize: bool) -> list[dict[str, Any]]:
+    """:func:`embed` through an encoder's own ``encode`` (a sentence-transformers model)."""
+    if not texts:
+        return []
+    vectors = encoder.encode(texts, normalize_embeddings=normalize, convert_to_numpy=True)
+    tokenizer = getattr(encoder, "tokenizer", None)
+    counts = [len(x) for x in tokenizer(texts)["input_ids"]] if tokenizer else [None] * len(texts)
+    return [
+        {"embedding": [float(x) for x in v], "tokens": n}
+        for v, n in zip(vectors.tolist(), counts, strict=True)
     ]
 
 

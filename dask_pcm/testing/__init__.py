@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dask_pcm.templates.reader import ThrottledReader
 from dask_pcm.templates.throttle import SharedBandwidth
-from dask_pcm.testing.encoders import MeanPoolingEncoder, build_tiny_encoder
+from dask_pcm.testing.encoders import (
+    MeanPoolingEncoder,
+    build_tiny_encoder,
+    build_tiny_sentence_transformer,
+)
 from dask_pcm.testing.models import build_tiny_llama, write_llama_gguf
 from dask_pcm.testing.planners import StaticPeers
 
@@ -21,5 +25,6 @@ __all__ = [
     "ThrottledReader",
     "build_tiny_encoder",
     "build_tiny_llama",
+    "build_tiny_sentence_transformer",
     "write_llama_gguf",
 ]

@@ -56,6 +56,33 @@ def build_tiny_encoder(
     >>> build_tiny_encoder("/tmp/tiny-encoder")  # doctest: +SKIP
     PosixPath('/tmp/tiny-encoder')
     """
+    tok, model = _tiny_bert(seed, hidden_size, vocab_size)
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model.save_pretrained(tmp)
+        (tmp / "tokenizer").mkdir()
+        tok.save(str(tmp / TOKENIZER))
+        (tmp / "1_Pooling").mkdir()
+        pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_tokens": True}
+        (tmp / POOLING).write_text(json.dumps(pooling, indent=1))
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "Pooling"},
+        ]
+        (tmp / "modules.json").write_text(json.dumps(modules, indent=1))
+        (tmp / "README.md").write_text("A tiny random sentence encoder for dask_pcm's tests.\n")
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _tiny_bert(seed: int, hidden_size: int, vocab_size: int) -> tuple[Any, Any]:
+    """A WordPiece tokenizer trained on a few sentences and a random 2-layer BERT over it."""
     import torch
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertModel
@@ -84,27 +111,47 @@ def build_tiny_encoder(
         torch.manual_seed(seed)
         model = BertModel(config, add_pooling_layer=False)
     model.eval()
+    return tok, model
 
+
+def build_tiny_sentence_transformer(
+    path: str | os.PathLike[str], *, seed: int = 0, hidden_size: int = 32, vocab_size: int = 300
+) -> Path:
+    """Build a tiny random ``sentence-transformers`` model folder, offline (a BERT and mean
+    pooling, saved by ``SentenceTransformer.save``: ``modules.json``, ``1_Pooling/``...).
+
+    Needs the ``sentence-transformers`` package. An existing folder at ``path`` is replaced.
+
+    Example
+    -------
+    >>> from sentence_transformers import SentenceTransformer   # doctest: +SKIP
+    >>> model = SentenceTransformer(str(build_tiny_sentence_transformer("/tmp/st")))  # doctest: +SKIP
+    >>> model.encode(["Paris"]).shape                            # doctest: +SKIP
+    (1, 32)
+    """
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok, bert = _tiny_bert(seed, hidden_size, vocab_size)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = Path(f"{tmp}-bert")
     try:
-        model.save_pretrained(tmp)
-        (tmp / "tokenizer").mkdir()
-        tok.save(str(tmp / TOKENIZER))
-        (tmp / "1_Pooling").mkdir()
-        pooling = {"word_embedding_dimension": hidden_size, "pooling_mode_mean_tokens": True}
-        (tmp / POOLING).write_text(json.dumps(pooling, indent=1))
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "Pooling"},
-        ]
-        (tmp / "modules.json").write_text(json.dumps(modules, indent=1))
-        (tmp / "README.md").write_text("A tiny random sentence encoder for dask_pcm's tests.\n")
+        bert.save_pretrained(staging)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+            sep_token="[SEP]", mask_token="[MASK]", model_max_length=128,
+        )  # fmt: skip
+        fast.save_pretrained(staging)
+        modules = [models.Transformer(str(staging)), models.Pooling(hidden_size, "mean")]
+        SentenceTransformer(modules=modules, device="cpu").save(str(tmp))
         replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
