@@ -74,6 +74,20 @@ def _every_row_once(out: Path) -> pd.DataFrame:
     return rows
 
 
+def _killed_and_resumed(
+    script: str, out: Path, tmp_path: Path, *options: str
+) -> tuple[pd.DataFrame, str]:
+    """Run ``examples/script`` with ``options`` and one worker, kill it part way, run it to
+    the end: its rows (every one once) and the second run's output."""
+    env = _environment(tmp_path)
+    cmd = [sys.executable, str(EXAMPLES / script), "--output", str(out), "--workers", "1"]
+    cmd += options
+    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
+    stdout = _run_to_the_end(cmd, env)
+    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
+    return _every_row_once(out), stdout
+
+
 @pytest.mark.slow
 @pytest.mark.soak  # a run killed part way, then run again
 def test_generate_jsonl_killed_part_way_resumes_with_every_row_once(tiny_model_dir, tmp_path):
@@ -114,15 +128,10 @@ def test_embed_corpus_killed_part_way_resumes_with_every_row_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.soak  # a run killed part way, then run again
 def test_retrieve_faiss_killed_part_way_resumes_with_every_row_once(tmp_path):
-    out, env = tmp_path / "neighbours", _environment(tmp_path)
-    cmd = [
-        sys.executable, str(EXAMPLES / "retrieve_faiss.py"), "--output", str(out),
-        "--queries", str(ROWS), "--passages", "300", "--k", "3", "--workers", "1",
-    ]  # fmt: skip
-    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
-    stdout = _run_to_the_end(cmd, env)
-    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
-    rows = _every_row_once(out)
+    rows, _ = _killed_and_resumed(
+        "retrieve_faiss.py", tmp_path / "neighbours", tmp_path,
+        "--queries", str(ROWS), "--passages", "300", "--k", "3",
+    )  # fmt: skip
     assert rows["passages"].map(len).eq(3).all()
     assert rows["passages"].map(lambda p: all(x.startswith("p") for x in p)).all()
     scores = rows["scores"].map(list)
@@ -136,15 +145,9 @@ def test_retrieve_faiss_killed_part_way_resumes_with_every_row_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.soak  # a run killed part way, then run again
 def test_score_sklearn_killed_part_way_resumes_with_every_row_once(tmp_path):
-    out, env = tmp_path / "scores", _environment(tmp_path)
-    cmd = [
-        sys.executable, str(EXAMPLES / "score_sklearn.py"), "--output", str(out),
-        "--rows", str(ROWS), "--workers", "1",
-    ]  # fmt: skip
-    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
-    stdout = _run_to_the_end(cmd, env)
-    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
-    rows = _every_row_once(out)
+    rows, stdout = _killed_and_resumed(
+        "score_sklearn.py", tmp_path / "scores", tmp_path, "--rows", str(ROWS)
+    )
     assert set(rows["predicted"]) == {0, 1} and rows["probability"].between(0.5, 1).all()
     assert f"{ROWS} rows scored in" in stdout
     # The single-file template reached the worker as a copy of its own.
@@ -155,15 +158,10 @@ def test_score_sklearn_killed_part_way_resumes_with_every_row_once(tmp_path):
 @pytest.mark.soak  # a run killed part way, then run again
 @pytest.mark.parametrize("task", ["builtin", "own"])
 def test_embed_sentence_transformers_killed_part_way_resumes_with_every_row_once(task, tmp_path):
-    out, env = tmp_path / f"st-{task}", _environment(tmp_path)
-    cmd = [
-        sys.executable, str(EXAMPLES / "embed_sentence_transformers.py"), "--task", task,
-        "--output", str(out), "--rows", str(ROWS), "--workers", "1",
-    ]  # fmt: skip
-    kept = _kill_part_way(cmd, out, env, tmp_path / "first.log")
-    stdout = _run_to_the_end(cmd, env)
-    assert _counts(stdout) == (UNITS - kept, kept, UNITS)
-    rows = _every_row_once(out)
+    rows, stdout = _killed_and_resumed(
+        "embed_sentence_transformers.py", tmp_path / f"st-{task}", tmp_path,
+        "--task", task, "--rows", str(ROWS),
+    )  # fmt: skip
     assert rows["embedding"].map(len).eq(32).all()
     norms = rows["embedding"].map(lambda v: float(sum(x * x for x in v)) ** 0.5)
     if task == "builtin":  # embed() normalises, through the model's own encode

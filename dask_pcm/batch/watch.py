@@ -39,7 +39,7 @@ def scheduler_answers(client: Client, timeout: float = 5 * TICK) -> bool:
     calls a worker (a scatter's hand-over of the data) closes the client's comm when that
     worker dies during the call, as if the client's own connection had dropped.
     """
-    if client.status not in ("running", "newly-created"):
+    if client.status not in ("running", "newly-created") or client.scheduler is None:
         return False
     try:
         client.sync(client.scheduler.identity, callback_timeout=timeout)

@@ -129,7 +129,8 @@ def build_tiny_sentence_transformer(
     >>> model.encode(["Paris"]).shape                            # doctest: +SKIP
     (1, 32)
     """
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import models  # type: ignore[attr-defined]  # lazy-loaded
     from transformers import PreTrainedTokenizerFast
 
     tok, bert = _tiny_bert(seed, hidden_size, vocab_size)
