@@ -45,9 +45,16 @@ def _under(modules: set[str], *prefixes: str) -> list[str]:
     return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in prefixes))
 
 
+# Smoke alarms, not targets (docs/style.md, "Rooms, words and history"): a module or class
+# past one is asked whether it holds two subjects; code is not cut in half to get under.
+# They sit above the aim (about 400 lines a module) so that a room may be sized by its
+# subject; the alarm is for the file that has grown into two.
+MODULE_ALARM, CLASS_ALARM = 450, 280
+
+
 def test_modules_and_classes_are_small():
-    big_modules = {m: n for m, n in ANALYSIS["lines"].items() if n > 400}
-    big_classes = {c: n for c, n in ANALYSIS["classes"].items() if n > 250}
+    big_modules = {m: n for m, n in ANALYSIS["lines"].items() if n > MODULE_ALARM}
+    big_classes = {c: n for c, n in ANALYSIS["classes"].items() if n > CLASS_ALARM}
     assert big_modules == {} and big_classes == {}
 
 
