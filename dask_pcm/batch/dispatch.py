@@ -133,6 +133,9 @@ class Dispatch:
     on_tick
         Called about every second from the loop, whether or not a task returned (the
         output store's ``flush_if_due``).
+    columns
+        The output's column types so far (an output folder's, on a resume): a unit whose
+        rows do not fit them is that unit's error.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Dispatch:
         progress: Callable[[int], None] = lambda n: None,
         in_flight: int | None = None,
         on_tick: Callable[[], Any] = lambda: None,
+        columns: OutputColumns | None = None,
     ) -> None:
         self.client = client
         self.queue: deque[Unit] = deque(todo)
@@ -164,7 +168,7 @@ class Dispatch:
         self._again: deque[Task] = deque()  # tasks whose wave's rows were lost: run again
         self._quarantine: deque[Piece] = deque()  # lost single rows, run one at a time
         self._parts: dict[str, list[tuple[int, pa.Table]]] = {}
-        self.columns = OutputColumns()  # the output's column types so far
+        self.columns = columns or OutputColumns()  # the output's column types so far
         self._totals = {u.name: len(u.rows) for u in todo}  # rows of each unit
         self._attempts: dict[str, int] = {}
         self._ticked = time.monotonic()

@@ -29,9 +29,9 @@ from dask_pcm.batch.data import read_rows
 from dask_pcm.batch.dispatch import Dispatch
 from dask_pcm.batch.failures import raise_unit_error
 from dask_pcm.batch.provenance import context_record, function_digest, rows_digest
-from dask_pcm.batch.segments import read_predictions
+from dask_pcm.batch.segments import read_predictions, written_schema
 from dask_pcm.batch.store import OutputStore
-from dask_pcm.batch.units import Layout, Unit, Work, make_units
+from dask_pcm.batch.units import Layout, OutputColumns, Unit, Work, make_units
 from dask_pcm.context import Context
 from dask_pcm.interrupts import terminate_as_interrupt
 
@@ -239,7 +239,7 @@ def run_batch(
             if store:
                 store.add_error(name, record)
 
-        sink = _Sink(store, tables, failed)
+        sink = _Sink(store, tables, failed, written_schema(output) if output else None)
         # A resume with nothing left to compute starts no cluster and loads no model.
         outcome = _compute(cluster, workers, declared, level, todo, work, sink, progress, prepare)
     report = {
@@ -267,6 +267,7 @@ class _Sink:
     store: OutputStore | None
     tables: list[Any]
     failed: Callable[[str, dict[str, Any]], None]
+    written: pa.Schema | None = None  # the columns of the folder's segments, on a resume
 
     def finished(self, name: str, table: pa.Table) -> None:
         if self.store:
@@ -305,8 +306,9 @@ def _compute(
         if prepare is not None:
             prepare(client, todo)
         dispatch = Dispatch(
-            client, todo, work, sink.finished, sink.failed, bar.update, on_tick=sink.tick
-        )
+            client, todo, work, sink.finished, sink.failed, bar.update, on_tick=sink.tick,
+            columns=OutputColumns(sink.written),
+        )  # fmt: skip
         dispatch.run()
         report = clusters.workers_report(client, names, dispatch.served)
     finally:

@@ -23,6 +23,7 @@ from dask_pcm.exceptions import OutputFolderError
 
 if TYPE_CHECKING:
     import pandas as pd
+    import pyarrow as pa
 
 logger = logging.getLogger(__name__)
 
@@ -175,24 +176,40 @@ def read_by_template(
         yield name, _read(dataset, [name], columns)
 
 
-def _dataset(root: str | os.PathLike[str]) -> Any:
-    """The segments of ``root`` as one pyarrow dataset; ``None`` when there are none."""
-    import pyarrow as pa
-    import pyarrow.dataset as ds
-    import pyarrow.parquet as pq
+def written_schema(root: str | os.PathLike[str]) -> pa.Schema | None:
+    """The columns of the segments written in ``root`` so far, as they are read together
+    (their union; numbers widen); ``None`` when there are none."""
+    return _schema(_segment_paths(root))
 
+
+def _segment_paths(root: str | os.PathLike[str]) -> list[Path]:
     if not Path(root).is_dir():
         raise OutputFolderError(f"output folder {root} does not exist (any more)")
-    paths = sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
+    return sorted(p for p in Path(root).glob(PATTERN) if is_segment(p.name))
+
+
+def _schema(paths: list[Path]) -> pa.Schema | None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if not paths:
         return None
     # Segments of one folder may differ in their columns (an ``error`` column appears with
     # the first row recorded as an error; folders written before it have none): read them
     # under their union, a missing column as nulls.
-    schema = pa.unify_schemas(
+    return pa.unify_schemas(
         [pq.read_schema(p) for p in paths], promote_options="permissive"
     ).remove_metadata()
-    return ds.dataset(paths, format="parquet", schema=schema)
+
+
+def _dataset(root: str | os.PathLike[str]) -> Any:
+    """The segments of ``root`` as one pyarrow dataset; ``None`` when there are none."""
+    import pyarrow.dataset as ds
+
+    paths = _segment_paths(root)
+    if not paths:
+        return None
+    return ds.dataset(paths, format="parquet", schema=_schema(paths))
 
 
 def _read(dataset: Any, templates: Iterable[str] | None, columns: list[str] | None) -> pd.DataFrame:

@@ -310,9 +310,9 @@ class OutputColumns:
     Numbers widen (integers and floats make floats) and a column of nulls takes any type,
     as when segments are read back."""
 
-    def __init__(self) -> None:
-        self._schema: pa.Schema | None = None
-        self._set_by: dict[str, str] = {}
+    def __init__(self, written: pa.Schema | None = None) -> None:
+        self._schema = written  # the output folder's columns, on a resume
+        self._set_by = {c: "the output folder" for c in written.names} if written else {}
 
     def admit(self, name: str, table: pa.Table) -> str | None:
         """Take unit ``name``'s ``table`` into the run's columns; why not, if it does not fit."""
@@ -329,7 +329,7 @@ class OutputColumns:
                 return self._misfit(name, table)
         for column in table.schema:
             if not pa.types.is_null(column.type):
-                self._set_by.setdefault(column.name, name)
+                self._set_by.setdefault(column.name, f"unit {name}")
         self._schema = merged
         return None
 
@@ -349,9 +349,9 @@ class OutputColumns:
             except (pa.ArrowInvalid, pa.ArrowTypeError):
                 return (
                     f"unit {name}: column {column.name!r} is {column.type} here but "
-                    f"{known} in unit {self._set_by.get(column.name, '?')}: a column takes "
-                    "one type across the run; convert its values in the function (e.g. with "
-                    "str())"
+                    f"{known} in {self._set_by.get(column.name, 'an earlier unit')}: a column "
+                    "takes one type across the run; convert its values in the function (e.g. "
+                    "with str())"
                 )
         return f"unit {name}: its columns do not fit those of the units before it"
 

@@ -130,7 +130,7 @@ def build_tiny_sentence_transformer(
     (1, 32)
     """
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models  # type: ignore[attr-defined]  # lazy-loaded
+    from sentence_transformers.models import Pooling, Transformer
     from transformers import PreTrainedTokenizerFast
 
     tok, bert = _tiny_bert(seed, hidden_size, vocab_size)
@@ -145,7 +145,7 @@ def build_tiny_sentence_transformer(
             sep_token="[SEP]", mask_token="[MASK]", model_max_length=128,
         )  # fmt: skip
         fast.save_pretrained(staging)
-        modules = [models.Transformer(str(staging)), models.Pooling(hidden_size, "mean")]
+        modules = [Transformer(str(staging)), Pooling(hidden_size, "mean")]
         SentenceTransformer(modules=modules, device="cpu").save(str(tmp))
         replace_dir(tmp, out)
     except BaseException:

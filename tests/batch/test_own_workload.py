@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -208,3 +209,33 @@ def test_a_column_whose_type_changes_between_units_is_that_units_error(inproc_cl
         assert len(out) + len(result.errors) == 6  # no row lost
         message = result.errors["message"].iloc[0]
         assert "column 'value' is" in message and "a column takes one type" in message
+
+
+def _typed_by_flag(rows, flag):
+    """Integers, failing from id 6 on, until ``flag`` exists; then strings."""
+    if os.path.exists(flag):
+        return [{"value": f"s{r['id']}"} for r in rows]
+    if any(r["id"] >= 6 for r in rows):
+        raise ValueError("not yet")
+    return [{"value": r["id"]} for r in rows]
+
+
+def test_a_resumed_unit_whose_column_type_differs_from_the_folders_is_its_error(
+    inproc_cluster, tmp_path
+):
+    """Units redone on a resume wrote strings beside the folder's integers: the folder could
+    no longer be read ("Unable to merge")."""
+    _, client = inproc_cluster
+    flag = tmp_path / "flag"
+    options = dict(cluster=client, rows_per_unit=3, output=tmp_path / "out", on_error="skip")
+    first = dask_pcm.run_batch(_typed_by_flag, ROWS, progress=False, flag=str(flag), **options)
+    assert first.report["units"]["failed"] == 2
+    flag.touch()
+    again = dask_pcm.run_batch(_typed_by_flag, ROWS, progress=False, flag=str(flag), **options)
+    assert again.report["units"]["failed"] == 2
+    assert "in unit the output folder" not in again.errors["message"].iloc[0]
+    assert (
+        "column 'value' is string here but int64 in the output folder"
+        in (again.errors["message"].iloc[0])
+    )
+    assert list(again.to_pandas().sort_values("id")["value"]) == list(range(6))
