@@ -199,16 +199,21 @@ def _crash_on_poison(rows, log):
     return [{"n": len(r["text"])} for r in rows]
 
 
-@pytest.mark.soak  # 30-80 s: a worker killed four times
-def test_a_row_that_kills_its_worker_costs_that_row_only(process_cluster, llm, tmp_path):
+@pytest.mark.soak  # 30-80 s each: a worker killed four times
+@pytest.mark.parametrize("with_context", [True, False], ids=["context", "no-context"])
+def test_a_row_that_kills_its_worker_costs_that_row_only(
+    process_cluster, llm, tmp_path, with_context
+):
     """It used to cost the whole run: KilledWorker after allowed-failures + 1 worker deaths
-    per submission, three submissions, then a raw traceback; neighbours failed with it."""
+    per submission, three submissions, then a raw traceback; neighbours failed with it. A
+    function that needs no context gets the same isolation (the scheduler plugin that
+    gives up on a task at its first lost worker is installed without a context)."""
     log = tmp_path / "deaths.log"
     rows = [dict(r) for r in ROWS[:30]]
     rows[5]["text"] = "POISON"
     result = dask_pcm.run_batch(
-        _crash_on_poison, rows, contexts=llm, cluster=process_cluster, rows_per_unit=4,
-        progress=False, log=str(log),
+        _crash_on_poison, rows, contexts=llm if with_context else (), cluster=process_cluster,
+        rows_per_unit=4, progress=False, log=str(log),
     )  # fmt: skip
     out = result.to_pandas().sort_values("id")
     assert list(out["id"]) == list(range(30))  # every row, once

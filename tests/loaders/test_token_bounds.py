@@ -76,6 +76,7 @@ def test_a_tokenizer_with_a_normalizer_gives_no_bound(tiny_lm):
         memory_budget=tiny_lm.memory_budget,
         device=tiny_lm.device,
         source="normalizing tokenizer",
+        label="normalizing tokenizer",
         lock=threading.Lock(),
     )
     assert token_bounds(lm, TEXTS) is None
