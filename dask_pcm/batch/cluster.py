@@ -2,12 +2,15 @@
 
 :func:`open_client` turns ``run_batch``'s ``cluster`` argument into a client: a local
 cluster, batch-system jobs, a scheduler address, or the caller's own client or cluster (left
-open at the end, so that its resident contexts serve the next run).
+open at the end, so that its resident contexts serve the next run; a client the run made
+for an address or a cluster object is closed, so that none is left to reconnect to a
+scheduler that the caller closes later).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from distributed import Client
@@ -22,8 +25,12 @@ BATCH_WORKERS = 4
 _ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://")
 
 
-def open_client(cluster: Any, workers: int | None, progress: bool) -> tuple[Client, bool]:
-    """A client for ``cluster``, and whether the run owns it (and must close it).
+def open_client(
+    cluster: Any, workers: int | None, progress: bool
+) -> tuple[Client, Callable[[], None]]:
+    """A client for ``cluster``, and what closes what the run opened: the client and its
+    cluster for a cluster the run starts, the client alone for an address or a cluster
+    object, nothing for a client of the caller's.
 
     ``None`` or ``"local"``: a local cluster (``workers`` processes, default one per GPU or
     core). ``"sge"``, ``"htcondor"``: batch jobs scaled between 1 and ``workers`` (default
@@ -31,11 +38,12 @@ def open_client(cluster: Any, workers: int | None, progress: bool) -> tuple[Clie
     used as it is.
     """
     if cluster is None or cluster == "local":
-        client, owned = Client(local_cluster(n_workers=workers)), True
+        client = Client(local_cluster(n_workers=workers))
     elif isinstance(cluster, Client):
-        return cluster, False
+        return cluster, lambda: None
     elif isinstance(cluster, str) and cluster.startswith(_ADDRESS_SCHEMES):
-        return Client(cluster), False
+        client = Client(cluster)
+        return client, client.close
     elif isinstance(cluster, str):
         if cluster.lower() not in KINDS:
             raise ValueError(
@@ -45,9 +53,10 @@ def open_client(cluster: Any, workers: int | None, progress: bool) -> tuple[Clie
         # Worker jobs come and go as the units need them; the site's job settings come
         # from dask-jobqueue's configuration (jobqueue.sge / jobqueue.htcondor).
         maximum = workers or BATCH_WORKERS
-        client, owned = Client(batch_cluster(cluster, minimum=1, maximum=maximum)), True
+        client = Client(batch_cluster(cluster, minimum=1, maximum=maximum))
     elif hasattr(cluster, "scheduler_address"):
-        return Client(cluster), False
+        client = Client(cluster)
+        return client, client.close
     else:
         raise TypeError(
             f"cluster must be None, a name, a scheduler address, a distributed.Client or a "
@@ -60,7 +69,7 @@ def open_client(cluster: Any, workers: int | None, progress: bool) -> tuple[Clie
             file=sys.stderr,
             flush=True,
         )
-    return client, owned
+    return client, lambda: close_client(client)
 
 
 def close_client(client: Client) -> None:

@@ -298,7 +298,7 @@ def _compute(
     """Register the contexts and run ``todo``: tasks, lost rows and the workers' report."""
     if not todo:
         return {}
-    client, owned = clusters.open_client(cluster, workers, progress)
+    client, close = clusters.open_client(cluster, workers, progress)
     bar = clusters.progress_bar(len(todo), progress)
     names = list(declared)
     try:
@@ -318,8 +318,7 @@ def _compute(
             # on a sick cluster), not after: a walltime's SIGKILL may follow a SIGTERM soon.
             sink.flush()
         finally:
-            if owned:
-                clusters.close_client(client)
+            close()
     return {"tasks": dispatch.tasks, "lost_rows": dispatch.lost_rows, "workers": report}
 
 

@@ -239,3 +239,21 @@ def test_a_resumed_unit_whose_column_type_differs_from_the_folders_is_its_error(
         in (again.errors["message"].iloc[0])
     )
     assert list(again.to_pandas().sort_values("id")["value"]) == list(range(6))
+
+
+@pytest.mark.parametrize("given", ["cluster", "address"])
+def test_a_run_on_a_cluster_or_address_closes_the_client_it_made(given, capfd, caplog):
+    """A client made for the run was left open: when the user closed the cluster after the
+    runs, it tried to reconnect and an asyncio CancelledError traceback was printed."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
+        before = set(Client._instances)
+        target = cluster if given == "cluster" else cluster.scheduler_address
+        for _ in range(2):
+            dask_pcm.run_batch(plain, ROWS, cluster=target, progress=False)
+        made = [c for c in Client._instances if c not in before]
+        assert made and all(c.status == "closed" for c in made)
+        assert cluster.status.name == "running"  # the user's cluster stays
+    printed = capfd.readouterr().err + caplog.text
+    assert "CancelledError" not in printed and "Traceback" not in printed
