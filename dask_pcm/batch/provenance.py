@@ -344,8 +344,8 @@ def _function_differs(before: dict[str, Any], now: dict[str, Any]) -> str:
     return (
         f"function {now.get('name')!r} changed: its code, defaults or what it reads differ "
         f"(code digest {str(before.get('code'))[:12]}... then, {str(now.get('code'))[:12]}... "
-        "now), so the folder's results came from other code: use another output folder, or, "
-        "if the change cannot change a result, accept_changes=['function'] keeps them"
+        "now), so the folder's results came from other code (if the change cannot change a "
+        "result, accept_changes=['function'] keeps them)"
     )
 
 
