@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask
 from distributed import Client, Future, as_completed
+from distributed.comm.core import CommClosedError
 from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
@@ -247,15 +248,23 @@ class Dispatch:
             self.on_tick()
         except BaseException as exc:
             # A call to the scheduler (a gather, a check for overdue tasks) under way when it
-            # died ends with its own error: a closed comm, or an OSError after trying to
-            # connect for ``distributed.comm.timeouts.connect``. A closed comm is also what
-            # a live scheduler gives when a worker it called for us died: ask it again.
-            lost = isinstance(exc, OSError) and not scheduler_answers(self.client)
+            # died, or when the network to it dropped, ends with its own error: a closed
+            # comm, or an OSError after trying to connect for
+            # ``distributed.comm.timeouts.connect``. (A scatter whose worker died closes the
+            # comm too; _send tells that apart and tries again.)
+            closed = isinstance(exc, CommClosedError)
+            lost = closed or (isinstance(exc, OSError) and self.client.status != "running")
             if not lost and self.client.status == "running":
                 self.client.cancel(list(self._running))
             self._running.clear()
             if lost:
-                raise scheduler_lost(self.client, str(exc)) from exc
+                why = str(exc)
+                if closed and scheduler_answers(self.client):
+                    why += (
+                        "; the scheduler answers again: the connection dropped during a "
+                        "call, and a rerun resumes"
+                    )
+                raise scheduler_lost(self.client, why) from exc
             raise
 
     def _tick(self) -> None:
