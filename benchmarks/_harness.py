@@ -22,9 +22,9 @@ from typing import Any
 import _protocol
 
 import dask_pcm
-from dask_pcm.fever import LABELS, Claim, PromptTemplate, demo_claims
-from dask_pcm.fever import load_claims as read_claims
-from dask_pcm.fever.scoring import score_logits
+from dask_pcm.apps.fever import LABELS, Claim, PromptTemplate, demo_claims
+from dask_pcm.apps.fever import load_claims as read_claims
+from dask_pcm.apps.fever.scoring import score_logits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ CONTEXT = "llm"
 TINY = "tiny"  # --model value for the tiny random model (smoke runs)
 
 # The prompt every benchmark scores each claim with: run_fever's own template machinery and
-# scoring (dask_pcm.fever), so that the benchmarks time the application's workload.
+# scoring (dask_pcm.apps.fever), so that the benchmarks time the application's workload.
 TEMPLATE = PromptTemplate(
     "benchmark",
     "Is the following claim true, false, or is there not enough information to tell? "
@@ -95,10 +95,10 @@ def model_path(args: argparse.Namespace) -> str:
 
 # -- claims and scoring ----------------------------------------------------------------------
 def load_claims(path: Path | None, n: int) -> list[Claim]:
-    """The first ``n`` claims of a FEVER JSON-lines file (:func:`dask_pcm.fever.load_claims`).
+    """The first ``n`` claims of a FEVER JSON-lines file (:func:`dask_pcm.apps.fever.load_claims`).
 
     Without ``path``, reads :data:`DEFAULT_DATA` when it exists, else cycles through the
-    built-in demo claims (:func:`dask_pcm.fever.demo_claims`).
+    built-in demo claims (:func:`dask_pcm.apps.fever.demo_claims`).
     """
     if path is None and not DEFAULT_DATA.is_file():
         pool = demo_claims().claims
@@ -117,7 +117,7 @@ def batches(items: Sequence[Any], size: int) -> list[list[Any]]:
 
 def score(lm: Any, claims: Sequence[str], prefix: bool = False) -> list[int]:
     """Predicted label index (into ``LABELS``) of each claim: one forward pass, scored as
-    ``run_fever(method="logits")`` scores (:func:`dask_pcm.fever.scoring.score_logits`).
+    ``run_fever(method="logits")`` scores (:func:`dask_pcm.apps.fever.scoring.score_logits`).
 
     The prompt goes through the chat template here, on the worker, because the template
     belongs to the tokenizer that lives in the context. With ``prefix``, the template's part
@@ -128,8 +128,8 @@ def score(lm: Any, claims: Sequence[str], prefix: bool = False) -> list[int]:
     head = None
     if prefix:
         # Here, not at the top: levels.py's task processes import this module without
-        # Dask, and dask_pcm.fever.units brings it in.
-        from dask_pcm.fever.units import template_head
+        # Dask, and dask_pcm.apps.fever.units brings it in.
+        from dask_pcm.apps.fever.units import template_head
 
         head = template_head(TEMPLATE, lm.tokenizer)
     rows = score_logits(lm, prompts, TEMPLATE.answers, prefix=head)

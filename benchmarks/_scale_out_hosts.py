@@ -87,7 +87,7 @@ def _register(client: Client, model: str, level: str) -> float:
 
 
 def _network(n: int, link: float, mode: str, chunk_mib: float) -> Any:
-    from dask_pcm.testing.hosts import Network
+    from dask_pcm.testing.hosts import HostNetwork
 
     rate = link * 1e6 / 8
     settings = {
@@ -95,7 +95,7 @@ def _network(n: int, link: float, mode: str, chunk_mib: float) -> Any:
         "pcm.template.source-bandwidth": int(rate),
         "pcm.template.peer-to-peer": mode != "source",
     }
-    return Network(hosts=n, link=link, settings=settings), settings
+    return HostNetwork(hosts=n, link=link, settings=settings), settings
 
 
 def _environ() -> dict[str, str]:

@@ -155,8 +155,8 @@ sys.modules["dask_pcm"] = package
 start = time.perf_counter()
 import torch, transformers
 import _harness as h
-from dask_pcm.loaders.llm import CausalLM
-from dask_pcm.loaders.model import build_for_one_task
+from dask_pcm.engine.llm import CausalLM
+from dask_pcm.engine.model import build_for_one_task
 from dask_pcm.templates.throttle import SharedBandwidth
 torch.set_num_threads(1)
 imported = time.perf_counter()

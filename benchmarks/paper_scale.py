@@ -14,7 +14,7 @@ Steps, in one process:
    lines to a temporary folder, cycling through the dev set (``--data``, default
    ``../shared/data/fever/paper_dev.jsonl``, else the built-in demo claims); ids 0..N-1 are
    unique, claim texts repeat.
-2. **In-process reference, before.** The same units (``dask_pcm.fever.units.make_units``,
+2. **In-process reference, before.** The same units (``make_units`` here,
    as run_fever makes them) scored by ``--workers`` plain spawned processes with the workers'
    environment, each loading the model once (``dask_pcm.CausalLM``, one torch thread) and
    scoring its round-robin share as ``score_unit`` does (template rendered with the
@@ -84,6 +84,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -93,11 +94,11 @@ import dask.config
 import psutil
 
 import dask_pcm
+from dask_pcm.apps.fever import Claim, ClaimSet, demo_claims, load_claims
+from dask_pcm.apps.fever.prompts import PromptTemplate, get_templates
+from dask_pcm.apps.fever.scoring import score_logits
+from dask_pcm.apps.fever.units import template_head
 from dask_pcm.batch.segments import INDEX, PATTERN, UNITS_KEY
-from dask_pcm.fever import Claim, demo_claims, load_claims
-from dask_pcm.fever.scoring import score_logits
-from dask_pcm.fever.templates import get_templates
-from dask_pcm.fever.units import Unit, make_units, template_head
 
 PAPER_CLAIMS = 145_449  # FEVER 1.0 train
 QUICK_CLAIMS = 320
@@ -132,8 +133,32 @@ def write_claims(path: Path, n: int, source: Sequence[Claim]) -> None:
 
 
 # -- the in-process reference: plain processes, no Dask --------------------------------------
+@dataclass(frozen=True)
+class Unit:
+    """One (template, slice of claims) of the in-process reference."""
+
+    template: PromptTemplate
+    index: int
+    claims: tuple[Claim, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.template.name}--{self.index:05d}"
+
+
+def make_units(
+    templates: Sequence[PromptTemplate], claims: ClaimSet, claims_per_task: int
+) -> list[Unit]:
+    """Every (template, batch of ``claims_per_task`` claims), templates first."""
+    return [
+        Unit(t, i, tuple(claims.claims[start : start + claims_per_task]))
+        for t in templates
+        for i, start in enumerate(range(0, len(claims), claims_per_task))
+    ]
+
+
 def score_plain(lm: Any, unit: Unit) -> list[dict[str, Any]]:
-    """One unit as ``dask_pcm.fever.units.score_unit`` scores it, with ``lm`` in hand."""
+    """One unit as ``dask_pcm.apps.fever.units.score_unit`` scores it, with ``lm`` in hand."""
     template = unit.template
     prompts = [template.render(c.claim, lm.tokenizer) for c in unit.claims]
     head = template_head(template, lm.tokenizer)

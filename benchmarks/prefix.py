@@ -7,9 +7,9 @@ runs only each prompt's own tokens; without it every prompt runs in full. This s
 measures what that buys on the FEVER workload, template by template, and checks that it
 changes no prediction.
 
-Per built-in template (``dask_pcm.fever.get_templates``; ``--templates`` to choose; ``--quick``:
+Per built-in template (``dask_pcm.apps.fever.get_templates``; ``--templates`` to choose; ``--quick``:
 few-shot and direct), N FEVER dev claims (default 64, ``--quick`` 32) in tasks of 16
-(``--claims-per-task``), each task ``dask_pcm.fever.units.score_unit(template, claims,
+(``--claims-per-task``), each task ``dask_pcm.apps.fever.units.score_unit(template, claims,
 "logits", prefix_cache=True|False)``, the task a FEVER run sends, submitted with
 ``dask_pcm.submit``. The model is the embedded SmolLM2-135M-Instruct by default, resident at
 level ``full`` on one fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default); on a
@@ -32,7 +32,7 @@ Columns, one row per template:
 - ``tokens``: tokens per prompt, mean over the N claims, counted with the model's tokenizer
   in this process (chat preamble included).
 - ``prefix``: tokens every prompt of a task shares with the template's head
-  (``dask_pcm.loaders.prefix.shared_prefix``; the token where the head meets the claim is not
+  (``dask_pcm.engine.prefix.shared_prefix``; the token where the head meets the claim is not
   shared when the two merge), the part run once per worker; ``a-b`` when tasks differ.
 - ``run w/o``, ``run with``: token positions a forward pass runs per claim, padding included,
   as the model batches them (prompts sorted by length; whole prompts in passes of 8 padded
@@ -92,10 +92,10 @@ import _protocol as P
 from distributed import Client, get_task_stream
 
 import dask_pcm
-from dask_pcm.fever import Claim, PromptTemplate, get_templates
-from dask_pcm.fever.scoring import score_generate
-from dask_pcm.fever.units import CONTEXT, score_unit, template_head
-from dask_pcm.loaders.prefix import (
+from dask_pcm.apps.fever import Claim, PromptTemplate, get_templates
+from dask_pcm.apps.fever.scoring import score_generate
+from dask_pcm.apps.fever.units import CONTEXT, score_unit, template_head
+from dask_pcm.engine.prefix import (
     MIN_PREFIX_TOKENS,
     PACK_TOKENS,
     balanced,

@@ -20,9 +20,12 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from dask_pcm import _moved
 from dask_pcm import config as _config  # noqa: F401  (loads the pcm namespace defaults)
 from dask_pcm.client import (
-    map,
+    map as map,  # dask_pcm.map; not in __all__ (see below)
+)
+from dask_pcm.client import (
     register,
     registered_contexts,
     status,
@@ -31,6 +34,7 @@ from dask_pcm.client import (
     unregister,
 )
 from dask_pcm.context import Context, causal_lm
+from dask_pcm.engine.llm import CausalLM, LanguageModel
 from dask_pcm.exceptions import (
     BatchInputError,
     BatchJobError,
@@ -40,7 +44,6 @@ from dask_pcm.exceptions import (
     ContextNotFoundError,
     ContextTimeoutError,
     DeviceMemoryError,
-    FeverFormatError,
     ModelSourceError,
     OutputFolderError,
     PCMError,
@@ -48,8 +51,12 @@ from dask_pcm.exceptions import (
     TemplateFetchError,
     UnitError,
 )
-from dask_pcm.loaders.llm import CausalLM, LanguageModel
 from dask_pcm.tasks import ContextTask, get_context, uses_context
+
+_moved.install_aliases()  # old module paths (dask_pcm.fever, dask_pcm.loaders...) for one release
+
+# ``map`` is dask_pcm.map but not in __all__: ``from dask_pcm import *`` must not shadow the
+# built-in.
 
 # Imported on first use (PEP 562): every worker and scheduler imports dask_pcm, and none of
 # them needs the batch layer, the FEVER application, the cluster starters (dask-jobqueue),
@@ -57,11 +64,12 @@ from dask_pcm.tasks import ContextTask, get_context, uses_context
 _LAZY = {
     "BatchResult": "dask_pcm.batch",
     "run_batch": "dask_pcm.batch",
-    "FeverResult": "dask_pcm.fever.run",
-    "run_fever": "dask_pcm.fever.run",
+    "FeverFormatError": "dask_pcm.apps.fever.errors",
+    "FeverResult": "dask_pcm.apps.fever.run",
+    "run_fever": "dask_pcm.apps.fever.run",
     "Nanny": "dask_pcm.deploy.local",
     "local_cluster": "dask_pcm.deploy.local",
-    "batch_cluster": "dask_pcm.deploy.start",
+    "batch_cluster": "dask_pcm.deploy.jobqueue",
     "WorkerReport": "dask_pcm.diagnosis",
     "doctor": "dask_pcm.diagnosis",
     "embedded_model_dir": "dask_pcm.templates.embedded",
@@ -70,11 +78,12 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from dask_pcm.apps.fever.errors import FeverFormatError
+    from dask_pcm.apps.fever.run import FeverResult, run_fever
     from dask_pcm.batch import BatchResult, run_batch
+    from dask_pcm.deploy.jobqueue import batch_cluster
     from dask_pcm.deploy.local import Nanny, local_cluster
-    from dask_pcm.deploy.start import batch_cluster
     from dask_pcm.diagnosis import WorkerReport, doctor
-    from dask_pcm.fever.run import FeverResult, run_fever
     from dask_pcm.templates.embedded import embedded_model_dir
 
 
@@ -128,7 +137,6 @@ __all__ = [
     "embedded_model_dir",
     "get_context",
     "local_cluster",
-    "map",
     "register",
     "registered_contexts",
     "run_batch",

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_pcm import config
-from dask_pcm.loaders.llm import CausalLM
+from dask_pcm.engine.llm import CausalLM
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.sources import EMBEDDED
 from dask_pcm.templates.tree import list_template
@@ -148,7 +148,7 @@ def causal_lm(
         ``"auto"`` (float32 on CPU, bfloat16 or float16 on GPU) or a torch dtype name.
     batch_size : int, optional
         Most prompts per forward pass; ``None`` chooses per worker from its device (8 on a
-        CPU, from free memory on a GPU; see :class:`dask_pcm.loaders.llm.CausalLM`).
+        CPU, from free memory on a GPU; see :class:`dask_pcm.engine.llm.CausalLM`).
 
     Examples
     --------
@@ -161,3 +161,30 @@ def causal_lm(
     template = EMBEDDED if source is None else os.fspath(source)
     loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)
     return Context(name, loader, template=template, level=level)
+
+
+def content_digest(context: Context) -> str | None:
+    """The content digest of ``context``'s template: what its files are, whatever path
+    names them.
+
+    The SHA-256 of the files its loader lists (every file of a folder or the file itself
+    for a loader without ``list_files``; :func:`template_manifest`, hashed
+    once per process and cached by path, size and modification time), the same manifest
+    the template transport copies by; ``template:<text>`` for a template that is no local
+    path and a loader without ``list_files`` (only its text is known); ``None`` for a
+    context without files.
+
+    Raises
+    ------
+    ModelSourceError
+        The template cannot be listed (the message names the path).
+
+    Example
+    -------
+    >>> content_digest(dask_pcm.Context("index", load, template="/data/index"))  # doctest: +SKIP
+    '3f5c...'
+    """
+    manifest = template_manifest(context)
+    if manifest is not None:
+        return manifest.content
+    return None if context.template is None else f"template:{context.template}"

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dask_pcm.engine.gpu import plan_device
+from dask_pcm.engine.llm import CausalLM
 from dask_pcm.gpus import VISIBLE, driver_version, installed_gpus
-from dask_pcm.loaders.gpu import plan_device
-from dask_pcm.loaders.llm import CausalLM
 from dask_pcm.worker.device import cpu_model
 
 #: Prompts of the comparison with CPU float32: the next token of each must agree.

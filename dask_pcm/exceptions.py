@@ -46,14 +46,6 @@ class TransitionError(PCMError, RuntimeError):
     context, the worker and the transition."""
 
 
-class FeverFormatError(PCMError, ValueError):
-    """Malformed FEVER input: claims or templates that cannot be read.
-
-    The message names the file and, where there is one, the 1-based line or template number,
-    as in ``paper_dev.jsonl:3: unknown label 'MAYBE'``.
-    """
-
-
 class ChunkError(PCMError):
     """A template chunk or manifest is wrong: a chunk that does not match its SHA-256 or size,
     an index out of range, or a manifest whose digest or file names are invalid."""
@@ -110,3 +102,10 @@ class UnitError(PCMError, RuntimeError):
     """A unit of a batch run failed (``on_error="raise"``): its function raised, or it ran
     past the timeout. The message names the unit, the worker and the original exception,
     whose traceback follows."""
+
+
+def __getattr__(name: str) -> object:
+    # FeverFormatError moved to the FEVER application (dask_pcm.apps.fever.errors).
+    from dask_pcm import _moved
+
+    return _moved.moved_attribute(__name__, name)

@@ -6,7 +6,7 @@ task or by a function of your own.
 
 The context's template is the model's folder as ``SentenceTransformer.save`` writes it
 (``modules.json``, ``1_Pooling/``...), copied whole to every worker, where the loader builds
-the model once. ``--task builtin`` runs :func:`dask_pcm.batch.llm.embed` (it uses the
+the model once. ``--task builtin`` runs :func:`dask_pcm.apps.llm.embed` (it uses the
 model's own ``encode``); ``--task own`` runs ``my_embed`` below. Without ``--model`` a tiny
 random model is built offline, once. Kill the run and rerun it: only units not yet in the
 output folder are computed. Needs ``sentence-transformers`` (``pip install -e ".[examples]"``).
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 import dask_pcm
-from dask_pcm.batch.llm import embed
+from dask_pcm.apps.llm import embed
 from dask_pcm.testing import build_tiny_sentence_transformer
 
 WORK = Path(tempfile.gettempdir()) / "dask-pcm-examples"

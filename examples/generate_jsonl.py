@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 import dask_pcm
-from dask_pcm.batch.llm import generate
+from dask_pcm.apps.llm import generate
 
 WORK = Path(tempfile.gettempdir()) / "dask-pcm-examples"
 CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Lisbon", "Vienna", "Oslo", "Athens"]

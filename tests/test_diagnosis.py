@@ -12,7 +12,7 @@ from distributed import Client, LocalCluster
 import dask_pcm
 from dask_pcm.cli import main
 from dask_pcm.diagnosis import WorkerReport, _shared_gpus, examine, format_reports
-from tests.loaders.test_gpu import A10, RECENT_WHEEL, TITAN_X, FakeCuda
+from tests.engine.test_gpu import A10, RECENT_WHEEL, TITAN_X, FakeCuda
 
 
 def test_cli_on_this_machine_reports_the_cpu_plainly(tiny_model_dir, tmp_path):

@@ -5,7 +5,7 @@ go to a JSON file, and the exit status is 1 when a check failed. Under five minu
 with the embedded SmolLM2-135M-Instruct.
 
 1. ``weights``: ``CausalLM()`` puts the weights on CUDA, in the dtype
-   :func:`dask_pcm.loaders.gpu.dtype_for` picks for the GPU's compute capability.
+   :func:`dask_pcm.engine.gpu.dtype_for` picks for the GPU's compute capability.
 2. ``logits``: next-token logits of a few factual prompts are finite and have the same argmax
    as the model in float32 on the CPU (bfloat16 may flip one near-tie).
 3. ``peak-memory``: the allocator's peak for scoring and for generation at the chosen batch
@@ -44,10 +44,10 @@ import torch
 from distributed import Client
 
 import dask_pcm
-from dask_pcm.fever import demo_claims, get_templates, load_claims
-from dask_pcm.fever.scoring import score_logits
-from dask_pcm.loaders.gpu import dtype_for, prompt_bytes
-from dask_pcm.loaders.model import TOKENS_PER_PROMPT
+from dask_pcm.apps.fever import demo_claims, get_templates, load_claims
+from dask_pcm.apps.fever.scoring import score_logits
+from dask_pcm.engine.gpu import dtype_for, prompt_bytes
+from dask_pcm.engine.model import TOKENS_PER_PROMPT
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "fever" / "paper_dev.jsonl"

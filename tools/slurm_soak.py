@@ -27,7 +27,7 @@ import dask
 from distributed import Client
 
 import dask_pcm
-from dask_pcm.fever import demo_claims
+from dask_pcm.apps.fever import demo_claims
 
 DEV = Path(__file__).parents[2] / "shared" / "data" / "fever" / "paper_dev.jsonl"
 

@@ -77,10 +77,16 @@ def analyse(package: Path = PACKAGE) -> dict[str, Any]:
     classes: dict[str, int] = {}
     edges: dict[str, set[tuple[str, str]]] = {}
     inner: list[tuple[str, str]] = []
+    definitions: dict[str, list[str]] = {}
     for name, path in mods.items():
         text = path.read_text()
         tree = ast.parse(text)
         lines[name] = len(text.splitlines())
+        definitions[name] = [
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        ]
         deps: set[tuple[str, str]] = set()
 
         def visit(
@@ -110,6 +116,7 @@ def analyse(package: Path = PACKAGE) -> dict[str, Any]:
     graph = {m: {t for t, _ in d} for m, d in edges.items()}
     packages = package_graph(graph)
     return {
+        "definitions": definitions,
         "lines": lines,
         "classes": classes,
         "imports_in_functions": inner,

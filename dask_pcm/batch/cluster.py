@@ -18,7 +18,6 @@ from distributed import Client
 from dask_pcm import client as pcm
 from dask_pcm.deploy import KINDS
 from dask_pcm.deploy.local import local_cluster
-from dask_pcm.deploy.start import batch_cluster
 
 #: Most worker jobs of a batch cluster that a run starts itself (``workers`` unset).
 BATCH_WORKERS = 4
@@ -53,6 +52,8 @@ def open_client(
         # Worker jobs come and go as the units need them; the site's job settings come
         # from dask-jobqueue's configuration (jobqueue.sge / jobqueue.htcondor).
         maximum = workers or BATCH_WORKERS
+        from dask_pcm.deploy.jobqueue import batch_cluster  # imports dask-jobqueue
+
         client = Client(batch_cluster(cluster, minimum=1, maximum=maximum))
     elif hasattr(cluster, "scheduler_address"):
         client = Client(cluster)

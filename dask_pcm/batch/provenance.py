@@ -9,8 +9,9 @@ keys of their own). On a resume every key is compared with the folder's, except:
 - ``groups``: one entry per group (a parameter set of the run, such as a prompt template);
   groups present in both are compared one by one, and a run may add groups to a folder.
 
-:func:`content_digest` names a context's files by their contents, so the same model under
-another path resumes and a changed file (in any subfolder) does not.
+A context's files are named by their contents (:func:`dask_pcm.context.content_digest`, the
+identity the template transport computes), so the same model under another path resumes and
+a changed file (in any subfolder) does not; this module only records it.
 """
 
 from __future__ import annotations
@@ -26,33 +27,6 @@ from dask_pcm.context import Context, template_manifest
 
 #: Keys never compared, and the key compared group by group.
 NOT_COMPARED = ("format", "info", "groups")
-
-
-def content_digest(context: Context) -> str | None:
-    """The content digest of ``context``'s template: what its files are, whatever path
-    names them.
-
-    The SHA-256 of the files its loader lists (every file of a folder or the file itself
-    for a loader without ``list_files``; :func:`dask_pcm.context.template_manifest`, hashed
-    once per process and cached by path, size and modification time), the same manifest
-    the template transport copies by; ``template:<text>`` for a template that is no local
-    path and a loader without ``list_files`` (only its text is known); ``None`` for a
-    context without files.
-
-    Raises
-    ------
-    ModelSourceError
-        The template cannot be listed (the message names the path).
-
-    Example
-    -------
-    >>> content_digest(dask_pcm.Context("index", load, template="/data/index"))  # doctest: +SKIP
-    '3f5c...'
-    """
-    manifest = template_manifest(context)
-    if manifest is not None:
-        return manifest.content
-    return None if context.template is None else f"template:{context.template}"
 
 
 def context_record(context: Context) -> tuple[dict[str, Any], dict[str, str]]:

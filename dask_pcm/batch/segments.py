@@ -157,23 +157,28 @@ def index_text(segments: Iterable[Segment]) -> str:
 
 def read_predictions(
     root: str | os.PathLike[str],
-    templates: Iterable[str] | None = None,
     columns: list[str] | None = None,
+    *,
+    where: tuple[str, Iterable[Any]] | None = None,
 ) -> pd.DataFrame:
-    """The rows of the output folder ``root`` (of ``templates`` only, when given), with
-    ``columns`` (default all), in the order they were written."""
-    return _read(_dataset(root), templates, columns)
+    """The rows of the output folder ``root``, with ``columns`` (default all), in the order
+    they were written; ``where=(column, values)`` keeps the rows whose ``column`` is one of
+    ``values``."""
+    return _read(_dataset(root), where, columns)
 
 
-def read_by_template(
-    root: str | os.PathLike[str], templates: Iterable[str], columns: list[str] | None = None
-) -> Iterator[tuple[str, pd.DataFrame]]:
-    """(template, its rows) for each of ``templates``, one at a time: what
-    :func:`read_predictions` reads, a template's rows in memory at once, the segments'
+def read_groups(
+    root: str | os.PathLike[str],
+    column: str,
+    values: Iterable[Any],
+    columns: list[str] | None = None,
+) -> Iterator[tuple[Any, pd.DataFrame]]:
+    """(value, its rows) for each of ``values`` of ``column``, one at a time: what
+    :func:`read_predictions` reads, one group's rows in memory at once, the segments'
     footers read once."""
     dataset = _dataset(root)
-    for name in templates:
-        yield name, _read(dataset, [name], columns)
+    for value in values:
+        yield value, _read(dataset, (column, [value]), columns)
 
 
 def written_schema(root: str | os.PathLike[str]) -> pa.Schema | None:
@@ -212,13 +217,15 @@ def _dataset(root: str | os.PathLike[str]) -> Any:
     return ds.dataset(paths, format="parquet", schema=_schema(paths))
 
 
-def _read(dataset: Any, templates: Iterable[str] | None, columns: list[str] | None) -> pd.DataFrame:
+def _read(
+    dataset: Any, where: tuple[str, Iterable[Any]] | None, columns: list[str] | None
+) -> pd.DataFrame:
     import pandas as pd
     import pyarrow.dataset as ds
 
     if dataset is None:
         return pd.DataFrame(columns=columns)
-    wanted = None if templates is None else ds.field("template").isin(list(templates))
+    wanted = None if where is None else ds.field(where[0]).isin(list(where[1]))
     present = None if columns is None else [c for c in columns if c in dataset.schema.names]
     table = dataset.to_table(columns=present, filter=wanted).to_pandas()
     for name in columns or []:

@@ -13,7 +13,7 @@ import dask.config
 SCHEDULER_PRELOAD = "dask_pcm.scheduler.preload"
 
 #: The batch systems :func:`batch_cluster` starts workers on. Here, not in
-#: :mod:`dask_pcm.deploy.batch`, so that naming them does not import dask-jobqueue (whose
+#: :mod:`dask_pcm.deploy.jobqueue`, so that naming them does not import dask-jobqueue (whose
 #: ``runner`` module replaces the process's SIGINT handler when imported).
 KINDS = ("sge", "htcondor", "slurm")
 

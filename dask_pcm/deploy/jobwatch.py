@@ -91,7 +91,7 @@ class JobWatch:
     """Cluster mixin for dask-jobqueue clusters: the job watchdog and :meth:`raise_if_stuck`.
 
     The cluster class sets ``kind`` (``"sge"`` or ``"htcondor"``) and a ``job_cls`` derived
-    from :class:`RecordsSubmission`, as :class:`dask_pcm.deploy.batch.SGECluster` does.
+    from :class:`RecordsSubmission`, as :class:`dask_pcm.deploy.jobqueue.SGECluster` does.
     """
 
     kind: str = ""

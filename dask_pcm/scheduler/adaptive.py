@@ -2,7 +2,7 @@
 
 distributed's ``Adaptive`` picks workers to retire by memory alone; retiring the last
 workers where a context is ready makes the tasks waiting for it wait for a new worker's load
-(or forever, with no worker left). :class:`dask_pcm.deploy.batch.ContextAdaptive` asks the
+(or forever, with no worker left). :class:`dask_pcm.deploy.jobqueue.ContextAdaptive` asks the
 scheduler plugin (``pcm_keep_workers``) which of its choices to keep; this is the answer.
 """
 

@@ -11,7 +11,7 @@ handlers to the parts that do the work:
                     \\           \\-> failed
                      \\-> failed     ready -> evicted -> loading -> ready
 
-- :class:`~dask_pcm.scheduler.placement.Steering`: restriction sets that send context tasks
+- :class:`~dask_pcm.scheduler.steering.Steering`: restriction sets that send context tasks
   only to workers where their contexts are ready (see that module for the rules);
 - :class:`~dask_pcm.scheduler.directory.ChunkDirectory`: who holds which template chunk;
 - :class:`~dask_pcm.scheduler.readiness.Readiness`: ``register``'s wait until the contexts
@@ -37,9 +37,9 @@ from dask_pcm import protocol
 from dask_pcm.exceptions import ContextNotFoundError
 from dask_pcm.scheduler import adaptive, dashboard, metrics
 from dask_pcm.scheduler.directory import ChunkDirectory
-from dask_pcm.scheduler.placement import Steering
 from dask_pcm.scheduler.readiness import Readiness
 from dask_pcm.scheduler.state import ContextStates
+from dask_pcm.scheduler.steering import Steering
 
 if TYPE_CHECKING:
     from distributed import Scheduler

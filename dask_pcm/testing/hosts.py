@@ -1,7 +1,7 @@
 """Many hosts on one machine: network namespaces on a private bridge, with capped links.
 
 On the clusters dask_pcm is for, every worker is its own host behind its own network link,
-and links fail. :class:`Network` emulates that on one Linux machine, as root: each
+and links fail. :class:`HostNetwork` emulates that on one Linux machine, as root: each
 :class:`Host` is a network namespace with its own address on a private bridge (``pcmhbr``,
 ``10.213.0.0/24``; the bridge itself, ``10.213.0.1``, is where a scheduler in this process
 listens), a link capped up and down (a ``tbf`` shaper on each end of its veth pair), its own
@@ -14,7 +14,7 @@ port would; :meth:`Host.restore` lets them through again.
 
 Everything is named with the prefix ``pcmh``. :func:`cleanup` removes every ``pcmh``
 namespace (after killing the processes in it), veth, bridge and rule, whoever left it;
-:class:`Network` runs it when it starts (the leftovers of a run that was killed) and when it
+:class:`HostNetwork` runs it when it starts (the leftovers of a run that was killed) and when it
 closes (as a context manager, and at exit). ``python -m dask_pcm.testing.hosts --cleanup``
 does the same by hand. One emulated network runs at a time on a machine (a lock file).
 
@@ -23,7 +23,7 @@ cores (every host shares the machine's); see ``docs/hosts.md``.
 
 Example
 -------
->>> with Network(hosts=2, link=100) as net:            # doctest: +SKIP
+>>> with HostNetwork(hosts=2, link=100) as net:            # doctest: +SKIP
 ...     cluster = dask_pcm.local_cluster(n_workers=0, host=net.address)
 ...     for host in net.hosts:
 ...         host.start_worker(cluster.scheduler_address)
@@ -59,7 +59,15 @@ from dask_pcm.testing.netns import (
     unavailable,
 )
 
-__all__ = ["Host", "HostsError", "Network", "cleanup", "dask_environ", "leftovers", "unavailable"]
+__all__ = [
+    "Host",
+    "HostNetwork",
+    "HostsError",
+    "cleanup",
+    "dask_environ",
+    "leftovers",
+    "unavailable",
+]
 
 SUBNET = "10.213.0"
 # Hosts get SUBNET.(FIRST + i): the bridge is .1, the low addresses are left free.
@@ -92,7 +100,7 @@ def _exit_on_sigterm() -> None:
 class Host:
     """One emulated host: a namespace, its address and link, its folders and processes."""
 
-    def __init__(self, network: Network, index: int) -> None:
+    def __init__(self, network: HostNetwork, index: int) -> None:
         self.network = network
         self.index = index
         self.name = f"{PREFIX}{index}"
@@ -230,7 +238,7 @@ class Host:
         self.processes.clear()
 
 
-class Network:
+class HostNetwork:
     """A private bridge and ``hosts`` emulated hosts, each with a link of ``link`` Mbit/s
     each way (None: uncapped); removed on :meth:`close`, and by a context manager's exit.
 
@@ -304,7 +312,7 @@ class Network:
             self._lock.close()
             self._lock = None
 
-    def __enter__(self) -> Network:
+    def __enter__(self) -> HostNetwork:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import WorkerPlugin
 
 from dask_pcm import config
+from dask_pcm.engine.model import build_for_one_task
 from dask_pcm.exceptions import (
     ChunkError,
     ContextLoadError,
@@ -40,7 +41,6 @@ from dask_pcm.exceptions import (
     TemplateFetchError,
 )
 from dask_pcm.gpus import visible_gpus
-from dask_pcm.loaders.model import build_for_one_task
 from dask_pcm.locks import host_slot
 from dask_pcm.protocol import (
     CLOSED,

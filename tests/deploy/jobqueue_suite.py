@@ -2,7 +2,7 @@
 
 dask-jobqueue's wheel ships its tests (``dask_jobqueue.tests``) but not the ``conftest.py``
 that gives them their fixtures and the ``-E <batch system>`` option. This plugin provides
-those, written for dask_pcm, and puts :class:`dask_pcm.deploy.batch.SGECluster`,
+those, written for dask_pcm, and puts :class:`dask_pcm.deploy.jobqueue.SGECluster`,
 ``HTCondorCluster`` and ``SLURMCluster`` where the tests import dask-jobqueue's: a job
 script, a configuration section or a real job that dask-jobqueue's own tests expect to
 work must work with dask_pcm's subclasses too. Used by ``tests/deploy/test_jobqueue_suite.py``::
@@ -30,13 +30,13 @@ import distributed.utils_test
 import pytest
 from distributed.utils_test import loop, loop_in_thread  # noqa: F401 (fixtures the tests use)
 
-from dask_pcm.deploy import batch
+from dask_pcm.deploy import jobqueue
 
 # dask_pcm's classes where the tests look for dask-jobqueue's, before the test modules import.
 SWAPPED = {
-    "SGECluster": (dask_jobqueue.sge, batch.SGECluster),
-    "HTCondorCluster": (dask_jobqueue.htcondor, batch.HTCondorCluster),
-    "SLURMCluster": (dask_jobqueue.slurm, batch.SLURMCluster),
+    "SGECluster": (dask_jobqueue.sge, jobqueue.SGECluster),
+    "HTCondorCluster": (dask_jobqueue.htcondor, jobqueue.HTCondorCluster),
+    "SLURMCluster": (dask_jobqueue.slurm, jobqueue.SLURMCluster),
 }
 if os.environ.get("PCM_JOBQUEUE_SUITE_UPSTREAM") == "1":  # the baseline: upstream's own classes
     SWAPPED = {name: (module, getattr(module, name)) for name, (module, _) in SWAPPED.items()}

@@ -18,7 +18,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_pcm
-from dask_pcm.deploy import batch, gpu
+from dask_pcm.deploy import gpu, jobqueue
 from dask_pcm.locks import unlock
 
 
@@ -74,7 +74,7 @@ def test_without_gpus_nothing_is_bound(monkeypatch, own_locks):
 def test_dask_worker_binds_gpus_with_the_nanny_preload(monkeypatch, own_locks):
     # What dask-jobqueue jobs run: `dask worker ... --preload-nanny dask_pcm.deploy.gpu`,
     # two worker processes in a job that may see two GPUs.
-    assert batch.job_options("sge")["worker_extra_args"][:2] == [
+    assert jobqueue.job_options("sge")["worker_extra_args"][:2] == [
         "--preload-nanny",
         gpu.PRELOAD,
     ]

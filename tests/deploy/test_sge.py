@@ -21,9 +21,9 @@ import pytest
 from distributed import Client
 
 import dask_pcm
-from dask_pcm.fever import demo_claims
-from dask_pcm.fever.run import CONTEXT, run_fever
-from dask_pcm.fever.templates import BUILTIN_TEMPLATES
+from dask_pcm.apps.fever import demo_claims
+from dask_pcm.apps.fever.prompts import BUILTIN_TEMPLATES
+from dask_pcm.apps.fever.run import CONTEXT, run_fever
 from dask_pcm.testing.tasks import noted_square
 from tests.conftest import (
     assert_handed_back,

@@ -31,17 +31,17 @@ def require_hosts() -> None:
 
 
 @pytest.fixture
-def network(tmp_path: Path) -> Iterator[hosts.Network]:
+def network(tmp_path: Path) -> Iterator[hosts.HostNetwork]:
     """An emulated network with no hosts yet (``network.add_host(link=...)``), removed with
     everything in it at the end of the test."""
     require_hosts()
-    with hosts.Network(directory=tmp_path / "hosts") as net:
+    with hosts.HostNetwork(directory=tmp_path / "hosts") as net:
         yield net
 
 
 @contextlib.contextmanager
 def cluster_on(
-    network: hosts.Network, settings: Mapping[str, Any] | None = None
+    network: hosts.HostNetwork, settings: Mapping[str, Any] | None = None
 ) -> Iterator[tuple[Any, Client]]:
     """A dask_pcm cluster with no workers whose scheduler (in this process) listens on the
     network's bridge, and its client; ``settings`` apply to this process (the scheduler and

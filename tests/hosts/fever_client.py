@@ -14,7 +14,7 @@ import sys
 
 
 def main(scheduler: str, claims: str, model: str, output: str) -> int:
-    from dask_pcm.fever.run import run_fever
+    from dask_pcm.apps.fever.run import run_fever
 
     try:
         result = run_fever(

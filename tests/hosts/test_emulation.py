@@ -113,7 +113,7 @@ def test_nothing_is_left_behind_when_the_test_body_raises(tmp_path):
     require_hosts()
     with (
         pytest.raises(RuntimeError, match="the test body failed"),
-        hosts.Network(hosts=2, link=50, directory=tmp_path) as net,
+        hosts.HostNetwork(hosts=2, link=50, directory=tmp_path) as net,
     ):
         net.hosts[0].cut()
         sleeper = net.hosts[1].popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -128,8 +128,8 @@ def test_nothing_is_left_behind_when_the_test_body_raises(tmp_path):
 
 KILLED = """
 import os, signal, sys, time
-from dask_pcm.testing.hosts import Network
-net = Network(hosts=2, link=10, directory=sys.argv[1])
+from dask_pcm.testing.hosts import HostNetwork
+net = HostNetwork(hosts=2, link=10, directory=sys.argv[1])
 net.hosts[0].cut()
 net.hosts[1].popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print("up", flush=True)
@@ -170,10 +170,10 @@ def _zombie(pid: int) -> bool:
 def test_a_second_network_waits_for_the_first(tmp_path):
     require_hosts()
     with (
-        hosts.Network(directory=tmp_path / "a"),
+        hosts.HostNetwork(directory=tmp_path / "a"),
         pytest.raises(hosts.HostsError, match="another emulated network holds"),
     ):
-        hosts.Network(directory=tmp_path / "b", lock_timeout=0.5)
+        hosts.HostNetwork(directory=tmp_path / "b", lock_timeout=0.5)
 
 
 def test_the_simulated_shared_filesystem_is_one_for_all_hosts(network):
@@ -197,8 +197,8 @@ def test_the_simulated_shared_filesystem_is_one_for_all_hosts(network):
 
 TERMINATED = """
 import sys, time
-from dask_pcm.testing.hosts import Network
-with Network(hosts=2, link=10, directory=sys.argv[1]) as net:
+from dask_pcm.testing.hosts import HostNetwork
+with HostNetwork(hosts=2, link=10, directory=sys.argv[1]) as net:
     net.hosts[0].cut()
     net.hosts[1].popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print("up", flush=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dask_pcm.apps.fever.run import CONTEXT, run_fever
 from dask_pcm.batch.segments import read_predictions
-from dask_pcm.fever.run import CONTEXT, run_fever
 from tests.conftest import wait_for
 from tests.hosts.conftest import cluster_on, start_workers, status_of, wait_ready
 

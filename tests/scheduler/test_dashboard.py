@@ -17,7 +17,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import dask_pcm
-from dask_pcm.fever.data import demo_claims
+from dask_pcm.apps.fever.data import demo_claims
 from dask_pcm.testing.models import build_tiny_llama
 
 

@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import dask_pcm.templates.embedded
+from dask_pcm.engine.llm import CausalLM
 from dask_pcm.exceptions import ModelSourceError
-from dask_pcm.loaders.llm import CausalLM
 from dask_pcm.templates.embedded import convert_gguf, embedded_gguf_path, embedded_model_dir
 from dask_pcm.testing import build_tiny_llama
 

@@ -247,7 +247,7 @@ def test_workers_get_the_template_from_peers_and_build_the_same_model(
     import torch
 
     import dask_pcm
-    from dask_pcm.loaders.llm import CausalLM
+    from dask_pcm.engine.llm import CausalLM
 
     cluster, client = inproc_cluster
     with dask.config.set({"pcm.cache-directory": str(tmp_path / "cache")}):
@@ -321,7 +321,7 @@ def test_a_peer_process_killed_mid_transfer_does_not_stop_the_joiner(tiny_model_
     import torch
 
     import dask_pcm
-    from dask_pcm.loaders.llm import CausalLM
+    from dask_pcm.engine.llm import CausalLM
 
     marker = tmp_path / "serving"
     total = build_manifest(tiny_model_dir, 16 * KIB)[0].total_bytes

@@ -9,8 +9,8 @@ from pathlib import Path
 import dask
 import pytest
 
+from dask_pcm.engine.llm import CausalLM
 from dask_pcm.exceptions import ChunkError, ModelSourceError
-from dask_pcm.loaders.llm import CausalLM
 from dask_pcm.templates.manifest import Manifest, TemplateWriter, build_manifest, read_chunk
 from dask_pcm.templates.tree import TemplateFiles, list_template, path_problem, tree_files
 from dask_pcm.testing.encoders import MeanPoolingEncoder, build_tiny_encoder

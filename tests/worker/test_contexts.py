@@ -13,7 +13,7 @@ from distributed import Client, LocalCluster, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError, ContextNotFoundError, ContextTimeoutError
-from dask_pcm.loaders.model import building_for_one_task
+from dask_pcm.engine.model import building_for_one_task
 from dask_pcm.templates.sources import resolve_source, template_files
 
 # Loaders and tasks live at module level so that they pickle by reference.

@@ -1,0 +1,406 @@
+"""Built-in task functions for the batch layer: text generation, choice scoring, embeddings.
+
+Each follows the batch layer's contract, ``fn(rows, **kwargs) -> list[dict]``: ``rows`` are
+one unit's rows (dicts of the input's columns) and the result has one dict per row, in order.
+They run against a language-model context resident on the worker (``context``, its name;
+a :class:`~dask_pcm.LanguageModel` itself also works, for local use). A row that cannot run
+(no prompt, a prompt too long for the model's context or for one pass in memory) raises, and
+the batch layer records the unit's error.
+
+- :func:`generate`: greedy (batched) or sampled continuations of prompts or chat messages.
+- :func:`score_choices`: the log-likelihood of each of a row's choices after its prompt.
+- :func:`embed`: mean-pooled last hidden states.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from dask_pcm.engine.generation import (
+    completion,
+    continuation_logprobs,
+    continuation_start,
+    decode,
+    eos_ids,
+    greedy,
+    mean_hidden,
+    sampler,
+    stop_position,
+)
+from dask_pcm.engine.model import LanguageModel, prompt_problem
+from dask_pcm.engine.passes import in_passes, kept_prefix
+from dask_pcm.engine.prefix import packable
+from dask_pcm.exceptions import PromptTooLongError
+from dask_pcm.tasks import get_context
+
+
+def generate(
+    rows: list[dict[str, Any]],
+    *,
+    context: str | LanguageModel = "llm",
+    prompt: str = "prompt",
+    messages: str = "messages",
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """Continue each row's prompt (or chat).
+
+    Rows run in passes that fit the device, as :meth:`dask_pcm.LanguageModel.generate`;
+    tokens the unit's prompts all start with run once and are kept, where the model keeps
+    prefixes (``prefix_cache``). At ``temperature == 0`` decoding is greedy. Otherwise each
+    row's tokens are drawn from its own generator, seeded by ``seed`` and the row's prompt
+    text: the same text whatever unit or pass the row lands in, prefix kept or not (its
+    logits change by float rounding only, which moves no draw but one within rounding of
+    the boundary between two tokens).
+
+    Parameters
+    ----------
+    rows
+        The unit's rows.
+    context
+        The language-model context's name (or a LanguageModel).
+    prompt, messages
+        Columns holding a prompt string, or a chat: a list of ``{"role", "content"}`` dicts,
+        rendered by the tokenizer's chat template with the assistant's turn opened
+        (``role: content`` lines and ``assistant:`` without a template). A row's messages,
+        when present and not None, take precedence.
+    max_tokens
+        Most tokens generated per row.
+    temperature, top_p
+        Sampling temperature (0: greedy) and nucleus mass.
+    seed
+        Seed of the sampling; ``None``: a fresh one per call.
+    stop
+        A string or strings: the text ends before the first one found.
+
+    Returns
+    -------
+    list of dict
+        Per row: ``text``, ``finish_reason`` (``"stop"``: a stop string or the end-of-sequence
+        token ended it; ``"length"``: ``max_tokens`` did), ``prompt_tokens`` and
+        ``completion_tokens`` (generated until it stopped).
+
+    Example
+    -------
+    >>> generate([{"prompt": "The capital of France is"}], max_tokens=4, stop=".")  # doctest: +SKIP
+    [{'text': ' Paris', 'finish_reason': 'stop', 'prompt_tokens': 6, 'completion_tokens': 2}]
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    stops = [s for s in ([stop] if isinstance(stop, str) else stop or ()) if s]
+    lm = _model(context)
+    texts, chats = _prompts(lm, rows, prompt, messages)
+    import torch
+
+    with lm.lock, torch.inference_mode():
+        ids = _encode(lm, texts, chats)
+        _check(lm, [len(seq) for seq in ids], "generate", max_tokens)
+        eos = eos_ids(lm.model, lm.tokenizer)
+        found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
+        choose: Any = lambda index: greedy  # noqa: E731
+        if temperature > 0:
+            base = secrets.randbits(63) if seed is None else seed
+            gens = [torch.Generator().manual_seed(_row_seed(base, t)) for t in texts]
+            choose = lambda index: sampler([gens[i] for i in index], temperature, top_p)  # noqa: E731
+        generated = _decoded(lm, ids, max_tokens, eos, found, choose)
+        return [
+            completion(lm.tokenizer, tokens, eos, stops, len(row_ids))
+            for tokens, row_ids in zip(generated, ids, strict=True)
+        ]
+
+
+def score_choices(
+    rows: list[dict[str, Any]],
+    *,
+    context: str | LanguageModel = "llm",
+    prompt: str = "prompt",
+    messages: str = "messages",
+    choices: str | Sequence[str] = "choices",
+) -> list[dict[str, Any]]:
+    """Score each row's choices by their log-likelihood after its prompt.
+
+    A choice's score is the sum of the log-probabilities of its tokens, prompt and choice
+    tokenized together: where the prompt's last token merges with the choice's first, the
+    merged token counts as the choice's. Prompt-choice pairs share forward passes; when every
+    pair of the unit starts with the same tokens (a template's instructions, or one prompt's
+    choices) and the model keeps prefixes (``prefix_cache``), those run once and are kept.
+
+    Parameters
+    ----------
+    rows
+        The unit's rows.
+    context
+        The language-model context's name (or a LanguageModel).
+    prompt, messages
+        As for :func:`generate`.
+    choices
+        A column name (a string), whose value in each row is its list of choices; or the
+        choices themselves (a list of strings), the same for every row.
+
+    Returns
+    -------
+    list of dict
+        Per row: ``scores`` (one float per choice, in order), ``best`` (the choice with the
+        highest score) and ``best_index``.
+
+    Example
+    -------
+    >>> score_choices([{"prompt": "Water is"}], choices=[" wet", " dry"])  # doctest: +SKIP
+    [{'scores': [-3.1, -7.4], 'best': ' wet', 'best_index': 0}]
+    """
+    lm = _model(context)
+    texts, chats = _prompts(lm, rows, prompt, messages)
+    options = [_choices_of(row, i, choices) for i, row in enumerate(rows)]
+    pairs = [(i, t + c) for i, (t, cs) in enumerate(zip(texts, options, strict=True)) for c in cs]
+    import torch
+
+    with lm.lock, torch.inference_mode():
+        prompt_ids = _encode(lm, texts, chats)
+        full = _encode(lm, [text for _, text in pairs], [chats[i] for i, _ in pairs])
+        longest = [0] * len(rows)
+        for (i, _), seq in zip(pairs, full, strict=True):
+            longest[i] = max(longest[i], len(seq))
+        _check(lm, longest, "logits", 0)
+        starts = [
+            continuation_start(prompt_ids[i], seq) for (i, _), seq in zip(pairs, full, strict=True)
+        ]
+        flat = _continuations(lm, full, starts)
+    results, done = [], 0
+    for cs in options:
+        scores = flat[done : done + len(cs)]
+        done += len(cs)
+        best = max(range(len(cs)), key=scores.__getitem__)
+        results.append({"scores": scores, "best": cs[best], "best_index": best})
+    return results
+
+
+def embed(
+    rows: list[dict[str, Any]],
+    *,
+    context: str | LanguageModel = "llm",
+    text: str = "text",
+    normalize: bool = True,
+) -> list[dict[str, Any]]:
+    """Embed each row's text: the model's last hidden state averaged over its tokens.
+
+    Parameters
+    ----------
+    rows
+        The unit's rows.
+    context
+        The context's name (or the object itself): a language model
+        (:class:`~dask_pcm.LanguageModel`), whose last hidden states are averaged, or any
+        encoder with a ``sentence-transformers`` style ``encode(texts,
+        normalize_embeddings=...)`` (a ``SentenceTransformer``), whose own pooling is used.
+    text
+        The column holding the text.
+    normalize
+        Scale each embedding to unit (L2) length.
+
+    Returns
+    -------
+    list of dict
+        Per row: ``embedding`` (``hidden_size`` floats) and ``tokens`` (its token count).
+
+    Example
+    -------
+    >>> embed([{"text": "Paris is the capital of France."}])[0]["tokens"]  # doctest: +SKIP
+    8
+    """
+    held = get_context(context) if isinstance(context, str) else context
+    texts = []
+    for i, row in enumerate(rows):
+        value = row.get(text)
+        if not isinstance(value, str):
+            raise ValueError(f"row {i}: column {text!r} holds no string (got {value!r:.80})")
+        texts.append(value)
+    if not isinstance(held, LanguageModel) and callable(getattr(held, "encode", None)):
+        return _encoded(held, texts, normalize)
+    lm: LanguageModel = held
+    import torch
+
+    with lm.lock, torch.inference_mode():
+        ids = lm.tokenizer(texts)["input_ids"] if texts else []
+        _check(lm, [len(seq) for seq in ids], "logits", 0)
+        pad = int(lm.tokenizer.pad_token_id)
+
+        def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, Any]]:
+            vectors = mean_hidden(lm.model, [seq for _, seq in chunk], pad, lm.device)
+            return list(zip([i for i, _ in chunk], vectors, strict=True))
+
+        vectors = _in_passes(lm, ids, run, "logits")
+    if not vectors:
+        return []
+    matrix = torch.stack(vectors)
+    if normalize:
+        matrix = torch.nn.functional.normalize(matrix, dim=-1)
+    return [
+        {"embedding": [float(x) for x in v], "tokens": len(seq)}
+        for v, seq in zip(matrix.tolist(), ids, strict=True)
+    ]
+
+
+def _encoded(encoder: Any, texts: list[str], normalize: bool) -> list[dict[str, Any]]:
+    """:func:`embed` through an encoder's own ``encode`` (a sentence-transformers model)."""
+    if not texts:
+        return []
+    vectors = encoder.encode(texts, normalize_embeddings=normalize, convert_to_numpy=True)
+    tokenizer = getattr(encoder, "tokenizer", None)
+    counts = [len(x) for x in tokenizer(texts)["input_ids"]] if tokenizer else [None] * len(texts)
+    return [
+        {"embedding": [float(x) for x in v], "tokens": n}
+        for v, n in zip(vectors.tolist(), counts, strict=True)
+    ]
+
+
+def _model(context: str | LanguageModel) -> LanguageModel:
+    lm: LanguageModel = get_context(context) if isinstance(context, str) else context
+    return lm
+
+
+def _prompts(
+    lm: LanguageModel, rows: list[dict[str, Any]], prompt: str, messages: str
+) -> tuple[list[str], list[bool]]:
+    """Each row's prompt text (its chat rendered), and whether it was a chat; ValueError
+    naming the first row that has neither."""
+    texts, chats = [], []
+    for i, row in enumerate(rows):
+        chat = row.get(messages)
+        if chat is not None and not isinstance(chat, float):  # NaN: a missing value in pandas
+            texts.append(_render(lm, chat, f"row {i}: {messages!r}"))
+            chats.append(True)
+            continue
+        text = row.get(prompt)
+        if not isinstance(text, str):
+            raise ValueError(f"row {i}: no prompt string in {prompt!r} nor chat in {messages!r}")
+        texts.append(text)
+        chats.append(False)
+    return texts, chats
+
+
+def _render(lm: LanguageModel, chat: Any, where: str) -> str:
+    turns = list(chat)  # a list, or an array of dicts as Parquet reads it back
+    if not all(isinstance(t, dict) and "role" in t and "content" in t for t in turns):
+        raise ValueError(f"{where} is not a list of {{'role', 'content'}} dicts")
+    if getattr(lm.tokenizer, "chat_template", None):
+        with lm.lock:
+            text = lm.tokenizer.apply_chat_template(
+                turns, tokenize=False, add_generation_prompt=True
+            )
+        return str(text)
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+def _encode(lm: LanguageModel, texts: list[str], chats: list[bool]) -> list[list[int]]:
+    """Token ids of ``texts``; a chat template that writes the begin-of-sequence token itself
+    does not get a second one from the tokenizer."""
+    if not texts:
+        return []
+    ids: list[list[int]] = [list(x) for x in lm.tokenizer(texts)["input_ids"]]
+    bos, bos_text = lm.tokenizer.bos_token_id, lm.tokenizer.bos_token
+    for seq, text, chat in zip(ids, texts, chats, strict=True):
+        if chat and bos_text and text.startswith(bos_text) and seq[:2] == [bos, bos]:
+            del seq[0]
+    return ids
+
+
+def _check(lm: LanguageModel, lengths: list[int], method: str, new_tokens: int) -> None:
+    """PromptTooLongError (a ValueError) naming the first row whose tokens cannot run."""
+    for i, tokens in enumerate(lengths):
+        problem = prompt_problem(lm, tokens, method, new_tokens)
+        if problem:
+            raise PromptTooLongError(
+                f"row {i}: the prompt cannot run on model {lm.label}: {problem}"
+            )
+
+
+def _in_passes(
+    lm: LanguageModel,
+    ids: list[list[int]],
+    run: Any,
+    method: str,
+    new_tokens: int = 0,
+    cached: int = 0,
+    packed: bool = False,
+) -> list[Any]:
+    """``run`` over ``(index, ids)`` pairs, shortest first, in passes that fit (the model's own
+    pass sizing and out-of-memory halving; by their tokens where ``packed``); the results
+    back in row order."""
+    if not ids:
+        return []
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    items = [(i, ids[i]) for i in order]
+    sizes = [len(seq) for _, seq in items] if packed else None
+    parts = in_passes(lm, items, run, method, len(items[-1][1]), new_tokens, cached, sizes)
+    out: list[Any] = [None] * len(ids)
+    for part in parts:
+        for i, value in part:
+            out[i] = value
+    return out
+
+
+def _decoded(
+    lm: LanguageModel,
+    ids: list[list[int]],
+    max_tokens: int,
+    eos: set[int],
+    stopped: Any,
+    choose: Any,
+) -> list[list[int]]:
+    """Each row's generated tokens, picked by ``choose(row indices of a pass)``; after the
+    tokens the rows share, kept, where there are two rows or more (one prompt alone would
+    only fill the cache)."""
+    shared, states = kept_prefix(lm, ids, ids[0]) if len(ids) > 1 else (0, None)
+    pad = int(lm.tokenizer.pad_token_id)
+
+    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        index = [i for i, _ in chunk]
+        tokens = decode(
+            lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens, eos=eos,
+            pick=choose(index), prefix=states, prefix_len=shared, stopped=stopped,
+        )  # fmt: skip
+        return list(zip(index, tokens, strict=True))
+
+    return _in_passes(lm, [seq[shared:] for seq in ids], run, "generate", max_tokens, shared)
+
+
+def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) -> list[float]:
+    """The summed log-probability of each sequence's tokens from its start on."""
+    if not seqs:
+        return []
+    # At most up to the token before the earliest choice: its logits are needed.
+    shared, states = kept_prefix(lm, seqs, seqs[0][: min(starts) - 1])
+    pad = int(lm.tokenizer.pad_token_id)
+    rest = [seq[shared:] for seq in seqs]
+
+    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, float]]:
+        rows = [seq for _, seq in chunk]
+        firsts = [starts[i] - shared for i, _ in chunk]
+        sums = continuation_logprobs(lm.model, rows, firsts, pad, lm.device, states, shared)
+        return list(zip([i for i, _ in chunk], sums, strict=True))
+
+    packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
+    return _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
+
+
+def _choices_of(row: dict[str, Any], i: int, choices: str | Sequence[str]) -> list[str]:
+    options = row.get(choices) if isinstance(choices, str) else choices
+    options = None if options is None else list(options)
+    if not options or not all(isinstance(c, str) for c in options):
+        where = f"column {choices!r}" if isinstance(choices, str) else "choices"
+        raise ValueError(f"row {i}: {where} is not a non-empty list of strings")
+    return options
+
+
+def _row_seed(seed: int, text: str) -> int:
+    """A row's sampling seed: from ``seed`` and its prompt text, not from where it runs."""
+    digest = hashlib.sha256(f"{seed}\0{text}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,111 @@
+"""``dask-pcm batch``: an OpenAI Batch API input file answered on a Dask cluster
+(:mod:`dask_pcm.apps.openai_batch`)."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from dask_pcm.apps.openai_batch import run_requests
+from dask_pcm.cli.shared import (
+    SCHEDULER,
+    SCHEDULER_FILE,
+    echo_lines,
+    interruptible,
+    scheduler_client,
+)
+from dask_pcm.config import LEVELS
+from dask_pcm.deploy import KINDS
+from dask_pcm.exceptions import ClusterLostError, PCMError
+
+
+@click.command()
+@click.option(
+    "-i",
+    "--input",
+    "requests",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Requests as the OpenAI Batch API takes them: custom_id, method, url, body per line.",
+)
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for output.jsonl and errors.jsonl; running again resumes.",
+)
+@click.option("--model", default=None, help="HF directory, .gguf file or hub id (default: "
+              "embedded SmolLM2-135M-Instruct).")  # fmt: skip
+@click.option(
+    "--errors",
+    type=click.Choice(["raise", "skip"]),
+    default="raise",
+    show_default=True,
+    help="Lines that are no request: stop before any work, naming file:line, or skip them "
+    "(counted).",
+)
+@click.option(
+    "--cluster",
+    type=click.Choice(["local", *KINDS]),
+    default="local",
+    show_default=True,
+    help="Where workers run: local processes, or batch jobs (dask-jobqueue configuration).",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Local worker processes (default: one per GPU, else per core), or the most jobs (4).",
+)
+@SCHEDULER
+@SCHEDULER_FILE
+@click.option(
+    "--requests-per-unit",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Requests per unit: the grain of a resume and of a failure.",
+)
+@click.option("--level", type=click.Choice(LEVELS), default=None, help="Context level.")
+def batch(
+    requests: str,
+    output: str,
+    model: str | None,
+    errors: str,
+    cluster: str,
+    workers: int | None,
+    scheduler: str | None,
+    scheduler_file: str | None,
+    requests_per_unit: int,
+    level: str | None,
+) -> None:
+    """Answer an OpenAI Batch API file: chat completions, completions and embeddings.
+
+    Writes OUTPUT/output.jsonl (answers) and OUTPUT/errors.jsonl (requests that failed),
+    in the Batch API's format and input order. Interrupted or killed, the same command
+    answers only what is missing.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    kept = f"answered units are in {output}; run the same command again to resume"
+    try:
+        with (
+            interruptible(kept),
+            scheduler_client(scheduler, scheduler_file, cluster, workers) as client,
+        ):
+            outcome = run_requests(
+                requests, output, model=model, cluster=client or cluster, workers=workers,
+                errors=errors, requests_per_unit=requests_per_unit, level=level,
+            )  # fmt: skip
+    except ClusterLostError as exc:
+        raise click.ClickException(f"{exc}; {kept}") from exc
+    except (PCMError, ValueError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if outcome.skipped:
+        click.echo(f"Skipped {outcome.skipped} line(s) that are no request:", err=True)
+        echo_lines(outcome.problems, 5, "lines")
+    click.echo(
+        f"{outcome.succeeded} succeeded, {outcome.failed} failed, {outcome.skipped} skipped "
+        f"line(s); answers in {outcome.output}, errors in {outcome.errors}"
+    )

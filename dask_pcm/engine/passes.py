@@ -1,0 +1,135 @@
+"""How a :class:`~dask_pcm.engine.model.LanguageModel`'s work is cut into forward passes.
+
+- :func:`by_length`: prompts tokenized, their kept prefix found (:func:`kept_prefix`), the
+  rest run shortest first, the results back in the prompts' order;
+- :func:`in_passes`: items in passes that fit the device: at most ``batch_size`` rows, fewer
+  where the memory budget does not hold them (:func:`rows_for`); rows after a kept prefix
+  packed (:func:`~dask_pcm.engine.prefix.pack`), a pass then holding as many packed
+  sequences as it would rows; a pass that runs out of memory retried at half the rows, the
+  smaller ``batch_size`` kept.
+
+Every function takes the model's lock (``lm.lock``, reentrant) while it works.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dask_pcm.engine.gpu import (
+    free_cached_memory,
+    halved,
+    is_out_of_memory,
+    prompt_bytes,
+    rows_that_fit,
+)
+from dask_pcm.engine.prefix import PACK_TOKENS, States, pack, packable
+
+# The functions take a dask_pcm.engine.model.LanguageModel, which calls them (so its type is
+# not imported here, not even for type checking: the package's modules import in one direction).
+LanguageModel = Any
+
+
+def kept_prefix(
+    lm: LanguageModel, ids: Sequence[Sequence[int]], prefix: str | Sequence[int] | None
+) -> tuple[int, States | None]:
+    """How many leading tokens of every one of ``ids`` kept prefix states of ``lm`` cover,
+    and the states (computed on first use, then kept in ``lm.prefix_cache``): the tokens all
+    share with ``prefix`` (a text, or token ids). ``(0, None)`` without a prefix or a cache."""
+    if prefix is None or lm.prefix_cache is None or not ids:
+        return 0, None
+    with lm.lock:
+        limit = lm.tokenizer(prefix)["input_ids"] if isinstance(prefix, str) else prefix
+        return lm.prefix_cache.states_for(ids, limit, lm.model, lm.device)
+
+
+def rows_for(
+    lm: LanguageModel, longest: int, method: str, new_tokens: int = 0, cached: int = 0
+) -> int:
+    """Rows per pass for prompts of up to ``longest`` tokens after ``cached`` kept ones:
+    ``lm.batch_size``, fewer where ``lm.memory_budget`` does not hold that many
+    (:func:`~dask_pcm.engine.gpu.prompt_bytes`, the key/value states of the kept prefix,
+    the prompt and the ``new_tokens`` of ``"generate"`` included)."""
+    rows = max(1, int(lm.batch_size))
+    if lm.memory_budget is None:
+        return rows
+    element = next(lm.model.parameters()).element_size()
+    need = prompt_bytes(lm.model.config, element, longest, method, new_tokens, cached)
+    return min(rows, rows_that_fit(lm.memory_budget, need))
+
+
+def in_passes(
+    lm: LanguageModel,
+    items: list[Any],
+    run: Callable[[list[Any]], Any],
+    method: str,
+    longest: int,
+    new_tokens: int = 0,
+    cached: int = 0,
+    sizes: list[int] | None = None,
+) -> list[Any]:
+    """``run`` over ``items`` (prompts of up to ``longest`` tokens after ``cached`` kept
+    ones) in passes that fit; its results, one per pass. ``sizes``: the items' tokens where
+    a pass packs them into sequences of up to :data:`~dask_pcm.engine.prefix.PACK_TOKENS`
+    (as :func:`~dask_pcm.engine.prefix.forward` does): a pass then takes as many
+    sequences as it would take rows."""
+    parts: list[Any] = []
+    with lm.lock:
+        if sizes is not None:
+            longest = max(longest, min(PACK_TOKENS, sum(sizes)))
+        rows = rows_for(lm, longest, method, new_tokens, cached)
+        done = 0
+        while done < len(items):
+            take = rows
+            if sizes is not None:
+                take = sum(len(seq) for seq in pack(sizes[done:], PACK_TOKENS)[:rows])
+            chunk = items[done : done + take]
+            try:
+                parts.append(run(chunk))
+                done += len(chunk)
+                continue
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+            # Out of the except block: the failed pass's tensors are unreachable now.
+            free_cached_memory(sys.modules.get("torch"))
+            where = f"{lm.device} ({method}, model {lm.label})"
+            rows = halved(len(chunk) if sizes is None else rows, where, error)
+            lm.batch_size = min(lm.batch_size, rows)
+    return parts
+
+
+def by_length(
+    lm: LanguageModel,
+    prompts: list[str],
+    prefix: str | None,
+    run: Callable[[list[list[int]], States | None, int], Any],
+    method: str,
+    new_tokens: int = 0,
+) -> list[Any]:
+    """``run(rows, states, start)`` over the prompts' tokens after their kept prefix
+    (``start`` tokens whose states are ``states``; see :func:`kept_prefix`), shortest first,
+    :func:`in_passes` (packed after a kept prefix for ``"logits"``, where the model allows);
+    its results (anything iterable by row), one per row, in the order of ``prompts``."""
+    with lm.lock:
+        ids = lm.tokenizer(prompts)["input_ids"]
+        start, states = kept_prefix(lm, ids, prefix)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        rows = [ids[i][start:] for i in order]
+        packs = method == "logits" and states is not None and packable(lm.model)
+        parts = in_passes(
+            lm,
+            rows,
+            lambda chunk: run(chunk, states, start),
+            method,
+            len(rows[-1]),
+            new_tokens,
+            start,
+            [len(r) for r in rows] if packs else None,
+        )
+    out: list[Any] = [None] * len(ids)
+    for i, value in zip(order, (v for part in parts for v in part), strict=True):
+        out[i] = value
+    return out
