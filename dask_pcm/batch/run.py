@@ -58,8 +58,9 @@ class BatchResult:
         The output folder, or ``None``.
     errors
         One row per failed unit: ``unit``, ``type``, ``message``, ``traceback``, ``worker``,
-        ``attempt`` (with an output folder: every failed unit not yet redone, earlier runs'
-        included).
+        ``attempt``, ``ids`` (the ids of the unit's rows; ``None`` for a unit recorded by a
+        dask_pcm without it) (with an output folder: every failed unit not yet redone,
+        earlier runs' included).
     """
 
     def __init__(
@@ -74,7 +75,7 @@ class BatchResult:
         self.report = report
         self.output = output
         self._tables = tables
-        columns = ["unit", "type", "message", "traceback", "worker", "attempt"]
+        columns = ["unit", "type", "message", "traceback", "worker", "attempt", "ids"]
         self.errors = pd.DataFrame(errors, columns=columns)
 
     def to_pandas(self, columns: list[str] | None = None) -> pd.DataFrame:
@@ -232,9 +233,13 @@ def run_batch(
         done = store.done() if store else set()
         todo = [u for u in units if u.name not in done]
 
+        rows_of = {u.name: u.rows for u in units}
+
         def failed(name: str, record: dict[str, Any]) -> None:
             if on_error == "raise":
                 raise_unit_error(name, record)
+            # The unit's ids, so that an application can say which of its rows went unanswered.
+            record = {**record, "ids": _json([r[id_column] for r in rows_of.get(name, ())])}
             failures.append({"unit": name, **record})
             if store:
                 store.add_error(name, record)

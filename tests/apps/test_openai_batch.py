@@ -275,3 +275,27 @@ def indexed_units(out: Path) -> list[str]:
 def kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_requests_of_a_failed_unit_say_why_in_the_errors_file(tmp_path):
+    """A unit that failed (a timeout, a crash) is named by the batch layer with its rows'
+    ids: each of its requests gets that reason in errors.jsonl, the others their answers'
+    absence, without cutting the file into units a second time."""
+    from dask_pcm.apps.openai_batch.output import write_results
+    from dask_pcm.batch.run import BatchResult
+
+    path = write_requests(tmp_path / "r.jsonl", [request(i) for i in (0, 1, 3)])
+    read = read_requests(path, "raise")
+    failure = {"unit": "unit-00000", "type": "UnitTimeout", "message": "past 1 s",
+               "traceback": "", "worker": "tcp://w", "attempt": 1, "ids": ["r0", "r1"]}  # fmt: skip
+    result = BatchResult({}, None, [], [failure])
+    out = tmp_path / "out"
+    out.mkdir()
+    assert write_results(out, read, result, "tiny") == (0, 3)
+    errors = {e["custom_id"]: e["error"]["message"] for e in lines_of(out / "errors.jsonl")}
+    assert (
+        errors["r0"]
+        == errors["r1"]
+        == "UnitTimeout: past 1 s (run the same command again to retry)"
+    )
+    assert errors["r3"] == "not answered (run the same command again)"

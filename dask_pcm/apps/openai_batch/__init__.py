@@ -40,7 +40,6 @@ from dask_pcm.apps.openai_batch.input import ENDPOINTS, Request, Requests, read_
 from dask_pcm.apps.openai_batch.output import ERRORS, OUTPUT, files_expected, write_results
 from dask_pcm.apps.openai_batch.task import CONTEXT, answer
 from dask_pcm.batch.run import run_batch
-from dask_pcm.batch.units import make_units
 from dask_pcm.context import causal_lm
 
 __all__ = ["ENDPOINTS", "Outcome", "Request", "Requests", "answer", "read_requests", "run_requests"]
@@ -110,12 +109,7 @@ def run_requests(
             rows_per_unit=requests_per_unit, output=output, on_error="skip", timeout=timeout,
             level=level, workers=workers, progress=progress, context=CONTEXT,
         )  # fmt: skip
-    unit_of = {
-        row["custom_id"]: unit.name
-        for unit in make_units(rows, requests_per_unit, None)
-        for row in unit.rows
-    }
     root = Path(output)
-    succeeded, failed = write_results(root, read, result, name, unit_of)
+    succeeded, failed = write_results(root, read, result, name)
     paths = (root / OUTPUT, root / ERRORS)
     return Outcome(succeeded, failed, read.skipped, read.problems, *paths, result.report)

@@ -75,15 +75,14 @@ def body(
     }
 
 
-def write_results(
-    root: Path, read: Requests, result: BatchResult, model: str, unit_of: dict[str, str]
-) -> tuple[int, int]:
+def write_results(root: Path, read: Requests, result: BatchResult, model: str) -> tuple[int, int]:
     """Write ``output.jsonl`` and ``errors.jsonl`` from the folder's rows, in input order,
     under the folder's lock; return how many requests succeeded and failed."""
     rows = {r.custom_id: r for r in result.to_pandas(COLUMNS).itertuples(index=False)}
-    failed_units = {
-        e.unit: f"{e.type}: {e.message} (run the same command again to retry)"
+    failed = {  # custom_id -> why its unit failed
+        custom_id: f"{e.type}: {e.message} (run the same command again to retry)"
         for e in result.errors.itertuples(index=False)
+        for custom_id in (e.ids if isinstance(e.ids, list) else [])
     }
     note = f"pid {os.getpid()} on {socket.gethostname()} writing {OUTPUT}"
     try:
@@ -97,7 +96,7 @@ def write_results(
             atomic_file(root, root / ERRORS, "w") as problems,
         ):
             for request in read.items:
-                line = _line(request, rows.get(request.custom_id), model, failed_units, unit_of)
+                line = _line(request, rows.get(request.custom_id), model, failed)
                 good = line["error"] is None
                 counts[not good] += 1
                 (answers if good else problems).write(json.dumps(line) + "\n")
@@ -106,17 +105,14 @@ def write_results(
     return counts[0], counts[1]
 
 
-def _line(
-    request: Request, row: Any, model: str, failed_units: dict[str, str], unit_of: dict[str, str]
-) -> dict[str, Any]:
+def _line(request: Request, row: Any, model: str, failed: dict[str, str]) -> dict[str, Any]:
     key = hashlib.sha256(f"{model}\0{request.custom_id}".encode()).hexdigest()[:24]
     line: dict[str, Any] = {"id": f"batch_req_{key}", "custom_id": request.custom_id}
     if request.error is not None:
         code, message = request.error
     elif row is None:
         code = "server_error"
-        unit = unit_of.get(request.custom_id, "")
-        message = failed_units.get(unit, "not answered (run the same command again)")
+        message = failed.get(request.custom_id, "not answered (run the same command again)")
     elif isinstance(row.error, str):  # the layer's: the request killed its worker
         code, message = "server_error", row.error
     elif isinstance(row.error_code, str):
