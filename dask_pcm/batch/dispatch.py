@@ -58,14 +58,21 @@ What a long run survives:
 - **A lost scheduler** ends the run with :class:`~dask_pcm.exceptions.ClusterLostError`
   naming the scheduler's address.
 """
+# one room: the dispatch loop and what it does when a task is lost, stuck or failing (the
+# pieces a lost task is split into, the quarantine, timeouts) read as one story; apart, the
+# loss handling needed a Protocol to refer back to the loop's tasks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import dask
@@ -75,8 +82,6 @@ from distributed.scheduler import KilledWorker
 
 from dask_pcm import client as pcm
 from dask_pcm import protocol
-from dask_pcm.batch.failures import last_worker, overdue, raise_unit_error
-from dask_pcm.batch.pieces import Piece, Task, after_loss, pack_wave, task_key
 from dask_pcm.batch.sizing import MAX_UNITS_PER_TASK, MIN_IN_FLIGHT, Sizing
 from dask_pcm.batch.units import (
     OutputColumns,
@@ -94,11 +99,187 @@ from dask_pcm.batch.watch import (
     scheduler_answers,
     scheduler_lost,
 )
+from dask_pcm.exceptions import UnitError
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 logger = logging.getLogger(__name__)
+
+
+# Pieces of units: what a task runs, and what the dispatch does when a worker dies running
+# some. A task runs whole units; after a worker died running it, its units run apart, a
+# unit in up to SPLIT pieces, and so on down to single rows (after_loss). A lost single row
+# goes into quarantine, where it runs with nothing else of the run in flight, and one lost
+# ROW_LOSSES times there is blamed (recorded as an error row).
+
+#: Pieces a lost piece of several rows is split into.
+SPLIT = 4
+#: Times a single row may be lost with its worker, alone, before it is blamed.
+ROW_LOSSES = 2
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``start ..`` of a unit: the whole unit, or a part of one that was lost."""
+
+    unit: Unit
+    start: int = 0
+    losses: int = 0  # times lost with its worker as a single row in quarantine
+
+    @property
+    def rows(self) -> int:
+        return len(self.unit.rows)
+
+
+@dataclass
+class Task:
+    pieces: list[Piece]
+    alone: bool = False  # run from quarantine, with nothing else of the run in flight
+    timed_out: str | None = None  # why it was given up, once past its timeout
+    rows: Any = None  # its wave's rows: the Future of a WaveRows, or one sent inline
+
+
+def pack_wave(tasks: list[Task]) -> tuple[WaveRows, list[list[tuple[str, int, int]]]]:
+    """The rows of every piece of ``tasks`` (and their groups' parameters) as one
+    :class:`WaveRows`, and per task its pieces as (unit name, start, stop) in it."""
+    rows: list[Any] = []
+    params: dict[str | None, Any] = {}
+    ranges = []
+    for task in tasks:
+        spans = []
+        for piece in task.pieces:
+            unit = piece.unit
+            spans.append((unit.name, len(rows), len(rows) + len(unit.rows)))
+            rows.extend(unit.rows)
+            params.setdefault(unit.group, unit.params)
+        ranges.append(spans)
+    return WaveRows(tuple(rows), params), ranges
+
+
+@dataclass
+class Loss:
+    """What to do after a task was lost with its worker: pieces to run again each as a task
+    of its own, single rows to run in quarantine, and the row blamed (with why), if any."""
+
+    retry: list[Piece] = field(default_factory=list)
+    quarantine: list[Piece] = field(default_factory=list)
+    blamed: Piece | None = None
+    message: str = ""
+
+
+def after_loss(task: Task, error: BaseException) -> Loss:
+    """What to do with ``task``, lost with its worker (``error``: the ``KilledWorker``)."""
+    pieces = task.pieces
+    if len(pieces) > 1:
+        logger.warning(
+            "Worker %s died running units %s..%s; running each of them alone",
+            last_worker(error),
+            pieces[0].unit.name,
+            pieces[-1].unit.name,
+        )
+        return Loss(retry=list(pieces))
+    piece = pieces[0]
+    if piece.rows > 1:
+        size = -(-piece.rows // SPLIT)
+        rows = piece.unit.rows
+        logger.warning(
+            "Worker %s died running %d rows of unit %s; running them in %d pieces",
+            last_worker(error),
+            piece.rows,
+            piece.unit.name,
+            -(-piece.rows // size),
+        )
+        return Loss(
+            retry=[
+                Piece(dataclasses.replace(piece.unit, rows=rows[i : i + size]), piece.start + i)
+                for i in range(0, piece.rows, size)
+            ]
+        )
+    if not task.alone:
+        return Loss(quarantine=[piece])  # lost along with others: no culprit yet
+    if piece.losses + 1 < ROW_LOSSES:
+        return Loss(quarantine=[dataclasses.replace(piece, losses=piece.losses + 1)])
+    message = (
+        f"its worker died each of the {piece.losses + 1} times this row was run "
+        f"alone (last: {last_worker(error)})"
+    )
+    logger.error("Unit %s row %d: %s", piece.unit.name, piece.start, message)
+    return Loss(blamed=piece, message=message)
+
+
+def task_key(task: Task) -> str:
+    """A fresh key for ``task``, naming its first unit (and row, for a piece)."""
+    first = task.pieces[0]
+    part = f"-r{first.start}" if first.start or first.losses else ""
+    name = f"{first.unit.name}{part}-x{len(task.pieces)}-{os.urandom(4).hex()}"
+    return f"{protocol.SPLITTABLE_PREFIX}{name}"
+
+
+# Tasks past their timeout, and a unit's failure when the run stops at the first.
+
+
+def overdue(
+    client: Client, running: Mapping[Future, Task], timeout: float
+) -> Iterator[tuple[Task, str]]:
+    """The tasks of ``running`` past ``timeout`` seconds of running (as the workers'
+    heartbeats report it) and not given up yet, each with why; their workers are restarted
+    through their nannies in the background (a thread cannot be stopped, and a stuck one
+    would hold its worker's contexts)."""
+    keys = {f.key: f for f in running}
+    restart = set()
+    for key, (worker, seconds) in client.run_on_scheduler(_executing, keys=list(keys)).items():
+        task = running.get(keys[key])
+        if task is None or task.timed_out or seconds < timeout:
+            continue
+        why = f"timed out: still running after {seconds:.0f} s on {worker}"
+        logger.warning(
+            "Units %s..%s %s (timeout %s s); restarting that worker",
+            task.pieces[0].unit.name,
+            task.pieces[-1].unit.name,
+            why,
+            timeout,
+        )
+        restart.add(worker)
+        yield task, why
+    if restart:
+        # In a thread: a restart takes seconds, and the run must go on meanwhile.
+        threading.Thread(target=_restart, args=(client, sorted(restart)), daemon=True).start()
+
+
+def _restart(client: Client, workers: list[str]) -> None:
+    try:
+        client.restart_workers(workers, raise_for_error=True)
+    except Exception as exc:  # no nanny (in-process workers), or a closing cluster
+        logger.warning(
+            "Could not restart %s (%s): the stuck task keeps its worker thread", workers, exc
+        )
+
+
+def raise_unit_error(name: str, record: dict[str, Any]) -> None:
+    """Raise :class:`~dask_pcm.exceptions.UnitError` for unit ``name`` (``record``: what
+    went wrong)."""
+    raise UnitError(
+        f"unit {name} failed on {record.get('worker') or 'a worker'}: "
+        f"{record['type']}: {record['message']}\n{record.get('traceback') or ''}".rstrip()
+    )
+
+
+def last_worker(error: BaseException | None) -> str:
+    return getattr(getattr(error, "last_worker", None), "address", None) or "?"
+
+
+def _executing(dask_scheduler: Any, keys: list[Any]) -> dict[Any, tuple[str, float]]:
+    """On the scheduler: of ``keys``, those running on a worker, with the worker and for how
+    long (the workers' heartbeats report it)."""
+    wanted = set(keys)
+    return {
+        ts.key: (ws.address, float(seconds))
+        for ws in dask_scheduler.workers.values()
+        for ts, seconds in ws.executing.items()
+        if ts.key in wanted
+    }
+
 
 __all__ = ["MAX_UNITS_PER_TASK", "MIN_IN_FLIGHT", "Dispatch"]
 

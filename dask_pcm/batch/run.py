@@ -26,8 +26,7 @@ from dask_pcm import client as pcm
 from dask_pcm import config
 from dask_pcm.batch import cluster as clusters
 from dask_pcm.batch.data import read_rows
-from dask_pcm.batch.dispatch import Dispatch
-from dask_pcm.batch.failures import raise_unit_error
+from dask_pcm.batch.dispatch import Dispatch, raise_unit_error
 from dask_pcm.batch.provenance import context_record, function_digest, rows_digest
 from dask_pcm.batch.segments import read_predictions, written_schema
 from dask_pcm.batch.store import OutputStore
