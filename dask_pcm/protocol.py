@@ -99,7 +99,7 @@ SETTLE_OP = "pcm_settle"
 #: Task annotation (``dask.annotate(**{LOSSES_ANNOTATION: n})``): the task errs with
 #: :class:`~distributed.scheduler.KilledWorker` once ``n`` workers died running it, instead
 #: of after ``distributed.scheduler.allowed-failures`` + 1. A client that can split its work
-#: (:mod:`dask_pcm.apps.fever.dispatch`) asks for 1: after the first loss it runs the task's rows
+#: (:mod:`dask_pcm.batch.dispatch`) asks for 1: after the first loss it runs the task's rows
 #: apart, so that one row that kills workers costs its own row, not its neighbours' or a
 #: restart loop of the cluster.
 LOSSES_ANNOTATION = "pcm_losses"

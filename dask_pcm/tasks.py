@@ -151,9 +151,9 @@ class ContextTask:
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The scheduler pickles every task it sends, and a function defined in a script or
-        # notebook is pickled by value each time (~0.3 ms). A ContextTask travels as bytes
-        # pickled where it was made: copies unpickled from them (on the scheduler and the
-        # workers) keep the bytes and send them on as they are, and a worker unpickles each
+        # notebook is pickled by value each time: a cost on every task. A ContextTask travels
+        # as bytes pickled where it was made: copies unpickled from them (on the scheduler and
+        # the workers) keep the bytes and send them on as they are, and a worker unpickles each
         # distinct payload once. The user's own object is pickled afresh at each submission,
         # so a function that reads globals ships their current values, as with plain Dask.
         payload = self._payload

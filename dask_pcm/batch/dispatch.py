@@ -17,16 +17,15 @@ Three things keep a run of 90,910 units cheap on the client, the scheduler and p
   worker once, scattered as one key (:class:`~dask_pcm.batch.units.WaveRows`); each task
   carries the key and index ranges. Task messages, and the copies of recent messages that
   distributed keeps on every stream (``distributed.admin.low-level-log-length``, 1,000 per
-  stream), then hold numbers, not row text: at paper scale those copies held a thousand
-  packed tasks of up to 1,024 claims each, and the client's memory grew by a gigabyte.
+  stream), then hold numbers, not row text: when they held the text, at the paper's scale,
+  they kept the claims of a thousand packed tasks, and the client's memory grew with them.
   A task whose wave's rows were lost with a worker (it did not run there) runs again as it
   was; with no worker to scatter to, the rows travel inside the tasks.
 - **Batched results.** Finished tasks are gathered together, in one request per batch, and
   their rows come back as Arrow tables; through the scheduler unless the client was made
   with ``direct_to_workers=True``. On a local cluster (the scheduler in the client's
-  process) fetching from the workers directly cost the client more CPU per unit, not less:
-  1.2-1.6 times as much in three rounds side by side (2 workers, 12,800 units), and
-  sending rows by reference 0.65-0.90 times as much as inline.
+  process) fetching from the workers directly cost the client more CPU per unit, not less,
+  and sending rows by reference less than sending them inline.
 
 Tasks run in submission order (each wave has a lower priority than the last).
 

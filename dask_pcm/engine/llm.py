@@ -163,8 +163,8 @@ class CausalLM:
     def _size_batches(self, torch: Any, lm: LanguageModel, plan: DevicePlan) -> None:
         if not plan.is_cuda:
             # Host memory bounds a pass on the CPU as device memory does on a GPU: without
-            # it, one prompt of 100,000 tokens grew a worker past 9 GiB before the nanny
-            # killed it, and again on every worker it was sent to.
+            # it, one very long prompt grew a worker until its nanny killed it, and again on
+            # every worker it was sent to.
             lm.memory_budget = host_memory_budget()
             lm.batch_size = self.batch_size or CPU_BATCH_SIZE
             return
@@ -251,8 +251,8 @@ def _worker_memory_limit() -> int | None:
 def _discard(model: Any) -> None:
     """Free a model's weights now and the GPU's cached blocks with them."""
     # Moving the parameters to the meta device frees their storage now, even if the module
-    # sits in a reference cycle; a gc.collect() would do the same but costs ~0.4 s in a
-    # process holding torch, far more than this.
+    # sits in a reference cycle; a gc.collect() would do the same, but it walks every object
+    # of a process holding torch, far slower than this.
     model.to("meta")
     free_cached_memory(sys.modules.get("torch"))
 

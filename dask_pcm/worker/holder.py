@@ -122,7 +122,7 @@ class Holder:
         """Free a built context (the loader's ``release``, then, if ``collect``, a full
         garbage collection and the GPU's cached memory)."""
         # Per task (levels partial/agnostic) only the loader's own release runs: a full
-        # gc.collect() costs ~0.4 s in a process holding torch and transformers, more than
+        # gc.collect() in a process holding torch and transformers can take longer than
         # building a small model, and would bias the comparison between levels.
         release = getattr(self.context.loader, "release", None)
         if callable(release):  # a loader may have a plain attribute of that name

@@ -167,11 +167,11 @@ class ContextPlugin(WorkerPlugin):
             return
         if worker.status.name in ("closing", "closed", "closing_gracefully", "failed"):
             # The worker is shutting down: free the model's memory here, without the full
-            # gc.collect() (~0.4 s), which would hold up Worker.close (it tears plugins down
-            # before it stops heartbeating: heartbeats to a scheduler already gone, logged as
-            # errors). Not in a background thread: a thread still inside torch when the process
-            # exits made it abort ("terminate called without an active exception", about one
-            # cluster close in two with two workers; none in eight closes without the thread).
+            # gc.collect() (slow in a process holding torch), which would hold up Worker.close
+            # (it tears plugins down before it stops heartbeating: heartbeats to a scheduler
+            # already gone, logged as errors). Not in a background thread: a thread still
+            # inside torch when the process exits made it abort ("terminate called without an
+            # active exception", in many cluster closes; in none without the thread).
             self.holder.release(value)
             return
         # Tasks still using the context keep it until they finish (bounded): freeing a

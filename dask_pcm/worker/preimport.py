@@ -1,9 +1,9 @@
 """A worker preload: heavy imports started when the worker starts, not when a context arrives.
 
 A fresh worker process that loads a causal LM spends seconds importing torch and
-transformers before it reads a byte of the model (2.3 s and 1.9 s here). Started as a
-preload (``--preload dask_pcm.worker.preimport``, which the clusters of
-:func:`dask_pcm.local_cluster` give their workers), this module imports the modules of
+transformers before it reads a byte of the model. Started as a preload (``--preload
+dask_pcm.worker.preimport``, which the clusters of :func:`dask_pcm.local_cluster` give
+their workers), this module imports the modules of
 ``pcm.worker.preimport-modules`` in a daemon thread of their own as the worker starts: the
 imports then run while the worker connects and the client hashes and registers its contexts.
 

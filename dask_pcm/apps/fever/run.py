@@ -102,7 +102,7 @@ def run_fever(
     prefix_cache : bool
         Keep each template's text before the claim as key/value states on every worker
         (``pcm.worker.prefix-cache``) and run only the claims' tokens (either method): the
-        same predictions, several times faster for long templates. ``False`` runs whole
+        same predictions, faster the longer the templates' shared text. ``False`` runs whole
         prompts, for comparison. Not part of the output folder's provenance: either way the
         predictions are the same.
     batch_size : int, optional
