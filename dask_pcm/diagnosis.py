@@ -1,11 +1,12 @@
 """``dask-pcm doctor``: what each worker's hardware and torch make of a context.
 
 Per worker: the device it would use and why, compute capability, dtype, free memory, driver
-and CUDA runtime versions, the batch size it chooses, and one forward pass compared with a
-CPU float32 pass of the same model (same most likely next token on a few prompts). Where
+and CUDA runtime versions, the batch size it chooses, one forward pass compared with a
+CPU float32 pass of the same model (same most likely next token on a few prompts), and the
+dask_pcm worker setup it has (:func:`dask_pcm.deploy.worker_setup.worker_settings`). Where
 something is off (a GPU torch cannot use, two workers on one GPU, answers that differ from
-float32, room for one prompt only) it says what to do. On a CPU-only machine it says that
-plainly.
+float32, room for one prompt only, a worker started without the setup) it says what to do.
+On a CPU-only machine it says that plainly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dask_pcm.deploy.worker_setup import MALLOC_TRIM, PREIMPORT, worker_settings
 from dask_pcm.engine.gpu import plan_device
 from dask_pcm.engine.llm import CausalLM
 from dask_pcm.gpus import VISIBLE, driver_version, installed_gpus
@@ -54,6 +56,7 @@ class WorkerReport:
     batch_size: int | None = None
     load_seconds: float | None = None
     agreement: str | None = None
+    setup: dict[str, Any] | None = None
     advice: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -166,7 +169,22 @@ async def _examine_on_worker(
     await asyncio.to_thread(preimport.wait)
     report = await asyncio.to_thread(examine, model, device, dtype, compare)
     report.worker = dask_worker.address
+    report.setup = worker_settings(dask_worker)
+    report.advice += setup_advice(report.setup)
     return asdict(report)
+
+
+def setup_advice(setup: dict[str, Any]) -> list[str]:
+    """Advice for a worker whose settings (:func:`worker_settings`) say it was started
+    without the dask_pcm worker setup."""
+    if setup.get(MALLOC_TRIM) is None and PREIMPORT in (setup.get("preloads") or []):
+        return []
+    return [
+        f"this worker was started without the dask_pcm worker setup ({MALLOC_TRIM}="
+        f"{setup.get(MALLOC_TRIM)}, preloads {setup.get('preloads')}): CPU inference runs "
+        "slower and torch is imported only when the first context arrives; start workers "
+        "with `dask-pcm worker` or dask_pcm.local_cluster"
+    ]
 
 
 def doctor(
@@ -220,7 +238,7 @@ def _shared_gpus(reports: list[WorkerReport]) -> None:
                 r.advice.append(
                     f"{len(sharing)} workers on {host} use {device} with CUDA_VISIBLE_DEVICES="
                     f"{visible}: start them with dask_pcm.local_cluster or "
-                    "`dask worker --preload-nanny dask_pcm.deploy.gpu` for one GPU each"
+                    "`dask-pcm worker` for one GPU each"
                 )
 
 
@@ -235,6 +253,8 @@ def format_reports(reports: list[WorkerReport]) -> str:
                 f"driver {r.driver or 'none'}; GPUs on host {r.gpus_on_host}, "
                 f"CUDA_VISIBLE_DEVICES={r.visible_devices if r.visible_devices is not None else 'unset'}"
             )
+        if r.setup is not None:
+            lines.append(f"  worker setup: {_setup_line(r.setup)}")
         if r.device is not None:
             where = r.device
             if r.gpu:
@@ -261,3 +281,12 @@ def format_reports(reports: list[WorkerReport]) -> str:
             lines.append("  OK")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _setup_line(setup: dict[str, Any]) -> str:
+    trim = setup.get(MALLOC_TRIM)
+    return (
+        f"tick {setup.get('tick-interval')} s, profile {setup.get('profile-interval')} s, "
+        f"{MALLOC_TRIM} {'unset' if trim is None else trim}, "
+        f"preloads {', '.join(setup.get('preloads') or []) or 'none'}"
+    )

@@ -12,6 +12,7 @@ from dask_pcm.cli.demo import demo
 from dask_pcm.cli.doctor import doctor
 from dask_pcm.cli.fever import fever
 from dask_pcm.cli.openai_batch import batch
+from dask_pcm.cli.worker import worker
 
 
 @click.group(name="pcm")
@@ -20,7 +21,7 @@ def main() -> None:
     """dask_pcm: worker-resident LLM contexts for high-throughput inference on Dask."""
 
 
-for _command in (demo, fever, batch, doctor):
+for _command in (demo, fever, batch, doctor, worker):
     main.add_command(_command)
 
 __all__ = ["main"]

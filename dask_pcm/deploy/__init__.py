@@ -1,5 +1,6 @@
-"""Where workers come from: local clusters, Grid Engine and HTCondor jobs (through
-dask-jobqueue), and how a worker leaves when its job is preempted."""
+"""Where workers come from: local clusters, Grid Engine, SLURM and HTCondor jobs (through
+dask-jobqueue), ``dask-pcm worker``, the setup all their workers get
+(:mod:`dask_pcm.deploy.worker_setup`), and how a worker leaves when its job is preempted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import dask.config
 
 #: The scheduler preload that the clusters of :mod:`dask_pcm.deploy` give their schedulers
 #: (:mod:`dask_pcm.scheduler.preload`). Named, not imported: importing it builds the
-#: dashboard page (Bokeh, ~0.7 s), which every worker would pay on its first dask_pcm task.
+#: dashboard page (Bokeh), which every worker would pay for on its first dask_pcm task.
 SCHEDULER_PRELOAD = "dask_pcm.scheduler.preload"
 
 #: The batch systems :func:`batch_cluster` starts workers on. Here, not in

@@ -7,9 +7,9 @@ lock before it starts its worker, so workers of one cluster, and the jobs of one
 node, take different GPUs. With more workers than GPUs the extra ones share, one more per
 GPU in turn, and say so in the log. The kernel drops a claim when its holder dies.
 
-:class:`dask_pcm.deploy.local.Nanny` does this itself; workers started by ``dask worker``
-(dask-jobqueue jobs, see :func:`dask_pcm.batch_cluster`) do it with
-``--preload-nanny dask_pcm.deploy.gpu``. ``pcm.worker.gpu-per-worker: false`` turns it off.
+The dask_pcm worker setup (:mod:`dask_pcm.deploy.worker_setup`, the nanny preload of
+:class:`dask_pcm.Nanny`, ``dask-pcm worker`` and :func:`dask_pcm.batch_cluster` jobs) calls
+:func:`bind` and :func:`unbind`. ``pcm.worker.gpu-per-worker: false`` turns it off.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from dask_pcm.locks import lock_dir, try_lock, unlock
 logger = logging.getLogger(__name__)
 
 PRELOAD = "dask_pcm.deploy.gpu"
-"""The nanny preload (``--preload-nanny``) for workers that dask_pcm does not start."""
+"""This module as a nanny preload: the GPU binding alone, as job scripts written before
+:mod:`dask_pcm.deploy.worker_setup` name it (which binds the GPU and sets up the rest)."""
 
 _MAX_SHARING = 64
 _CLAIM = "_dask_pcm_gpu"
@@ -96,8 +97,14 @@ def unbind(nanny: Any) -> None:
         unlock(claim.fd)
 
 
-# The nanny preload interface (distributed calls these with the nanny).
+# The nanny preload interface (distributed calls these with the nanny), for command lines
+# that still name this module; the worker setup binds the GPU itself.
 def dask_setup(nanny: Any) -> None:
+    logger.info(
+        "--preload-nanny %s binds the GPU only; dask_pcm.deploy.worker_setup (what "
+        "`dask-pcm worker` and batch_cluster use) binds it and sets up the rest",
+        PRELOAD,
+    )
     bind(nanny)
 
 

@@ -7,15 +7,17 @@ directory, interface) come from dask-jobqueue's configuration as usual (``jobque
 ``jobqueue-templates/`` in the repository has commented examples) or from keyword arguments.
 dask_pcm adds what its workers need:
 
+- the dask_pcm worker setup as the nanny preload of every job (``--preload-nanny
+  dask_pcm.deploy.worker_setup``, :mod:`dask_pcm.deploy.worker_setup`): the worker settings
+  of :func:`dask_pcm.local_cluster` and ``dask-pcm worker``, among them one GPU per worker
+  process of those the job may see (also where the site binds no GPU to a job) and the
+  preemption plugin (:mod:`dask_pcm.deploy.preemption`);
 - a preemption warning: ``qsub -notify`` on Grid Engine, ``kill_sig = SIGUSR2`` with
   ``want_graceful_removal`` on HTCondor; the job script ignores ``SIGUSR2`` (``trap '' USR2``)
-  so that only the worker process reacts to it, by retiring gracefully
-  (:mod:`dask_pcm.deploy.preemption`, a worker preload of every job: ``--preload
-  dask_pcm.deploy.preemption``); on SLURM ``--signal=B:USR2@<drain + 30 s>`` and a job
-  script whose shell passes USR2 and ``scancel``'s TERM on to the worker
-  (:mod:`dask_pcm.deploy.slurm`), and no ``--mem`` beside ``--mem-per-gpu``;
-- ``--preload-nanny dask_pcm.deploy.gpu``: each worker process claims one GPU of those its job
-  may see (:mod:`dask_pcm.deploy.gpu`), also where the site binds no GPU to a job;
+  so that only the worker process reacts to it, by retiring gracefully; on SLURM
+  ``--signal=B:USR2@<drain + 30 s>`` and a job script whose shell passes USR2 and
+  ``scancel``'s TERM on to the worker (:mod:`dask_pcm.deploy.slurm`), and no ``--mem``
+  beside ``--mem-per-gpu``;
 - the scheduler preload :mod:`dask_pcm.scheduler.preload` (the contexts page in the
   dashboard);
 - ``--lifetime`` and ``--lifetime-stagger`` from the walltime when one is set and the worker
@@ -52,7 +54,7 @@ from dask.utils import parse_timedelta
 from distributed.deploy.adaptive import Adaptive
 
 from dask_pcm import config
-from dask_pcm.deploy import KINDS, gpu, preemption, with_preload
+from dask_pcm.deploy import KINDS, with_preload, worker_setup
 from dask_pcm.deploy.jobwatch import HTCondorJob, JobWatch, SGEJob
 from dask_pcm.deploy.requeue import KeepsQueuedJobs
 from dask_pcm.deploy.slurm import SIGNAL_SLACK, SLURMJob
@@ -161,13 +163,16 @@ def job_options(kind: str, **kwargs: Any) -> dict[str, Any]:
         submit.setdefault("want_graceful_removal", "true")
         out["job_extra_directives"] = submit
 
+    if setting("nanny") is False:
+        raise ValueError(
+            f"nanny=False: dask_pcm's worker setup runs in the nanny ({worker_setup.PRELOAD}); "
+            "leave jobqueue's nanny on"
+        )
     args = list(setting("worker_extra_args") or [])
-    if gpu.PRELOAD not in args:
-        # One GPU per worker process even where the batch system binds none to the job.
-        args += ["--preload-nanny", gpu.PRELOAD]
-    if preemption.PRELOAD not in args:
-        # The worker process turns the batch system's warning into a graceful retirement.
-        args += ["--preload", preemption.PRELOAD]
+    if worker_setup.PRELOAD not in args:
+        # What every dask_pcm worker gets, from the one module that says it (its GPU, the
+        # preemption plugin, the environment and settings of its worker process).
+        args += ["--preload-nanny", worker_setup.PRELOAD]
     walltime = setting("walltime")
     if walltime and not any(a.startswith("--lifetime") for a in args):
         seconds = walltime_seconds(walltime)

@@ -291,10 +291,10 @@ class JobWatch:
     async def _reopen_lost(self) -> None:
         """Submit jobs for specs whose job distributed dropped as lost.
 
-        A connected worker that leaves for good (its job deleted or preempted) is dropped
-        from ``cluster.workers`` after ``distributed.deploy.lost-worker-timeout``, but its
-        spec stays and nothing reopens it unless something scales: a fixed-size cluster
-        would shrink with every preemption.
+        Without :class:`~dask_pcm.deploy.requeue.KeepsQueuedJobs`, distributed drops a
+        worker that left for good from ``cluster.workers`` after
+        ``distributed.deploy.lost-worker-timeout``, but its spec stays and nothing reopens
+        it unless something scales: a fixed-size cluster would shrink with every preemption.
         """
         if getattr(self, "_adaptive", None) is not None:
             return  # adaptive scaling reopens them at its next step

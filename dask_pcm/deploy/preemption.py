@@ -17,10 +17,11 @@ of the job (the shell, the nanny): ``trap '' USR2`` before the worker command, a
 :func:`dask_pcm.batch_cluster` writes it. Ignored signals stay ignored across ``exec``; the
 plugin installs its own handler in the worker process only.
 
-The batch clusters' workers install the plugin themselves as they start, through the worker
-preload this module is (``dask worker --preload dask_pcm.deploy.preemption``, which
-:func:`dask_pcm.batch_cluster` adds to every job); workers of a local cluster, which no batch
-system preempts, go without it.
+Every dask_pcm worker installs the plugin itself as it starts, through the worker preload
+this module is (``--preload dask_pcm.deploy.preemption``), which the dask_pcm worker setup
+(:mod:`dask_pcm.deploy.worker_setup`) adds: batch jobs, ``dask-pcm worker`` and
+:func:`dask_pcm.local_cluster` alike. Where no batch system sends the signal, the handler
+only waits.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A fresh worker process that loads a causal LM spends seconds importing torch and
 transformers before it reads a byte of the model. Started as a preload (``--preload
-dask_pcm.worker.preimport``, which the clusters of :func:`dask_pcm.local_cluster` give
-their workers), this module imports the modules of
+dask_pcm.worker.preimport``, which the dask_pcm worker setup,
+:mod:`dask_pcm.deploy.worker_setup`, gives every worker), this module imports the modules of
 ``pcm.worker.preimport-modules`` in a daemon thread of their own as the worker starts: the
 imports then run while the worker connects and the client hashes and registers its contexts.
 

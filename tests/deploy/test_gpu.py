@@ -12,13 +12,14 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import dask.config
 import pytest
 from distributed import Client, LocalCluster
 
 import dask_pcm
-from dask_pcm.deploy import gpu, jobqueue
+from dask_pcm.deploy import gpu, jobqueue, worker_setup
 from dask_pcm.locks import unlock
 
 
@@ -72,11 +73,11 @@ def test_without_gpus_nothing_is_bound(monkeypatch, own_locks):
 
 
 def test_dask_worker_binds_gpus_with_the_nanny_preload(monkeypatch, own_locks):
-    # What dask-jobqueue jobs run: `dask worker ... --preload-nanny dask_pcm.deploy.gpu`,
+    # What dask-jobqueue jobs run: `dask worker ... --preload-nanny dask_pcm.deploy.worker_setup`,
     # two worker processes in a job that may see two GPUs.
     assert jobqueue.job_options("sge")["worker_extra_args"][:2] == [
         "--preload-nanny",
-        gpu.PRELOAD,
+        worker_setup.PRELOAD,
     ]
     env = dict(
         os.environ,
@@ -85,7 +86,7 @@ def test_dask_worker_binds_gpus_with_the_nanny_preload(monkeypatch, own_locks):
     )
     with LocalCluster(n_workers=0, dashboard_address=":0") as cluster, Client(cluster) as client:
         command = [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address]
-        command += ["--nworkers", "2", "--nthreads", "1", "--preload-nanny", gpu.PRELOAD]
+        command += ["--nworkers", "2", "--nthreads", "1", "--preload-nanny", worker_setup.PRELOAD]
         job = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             client.wait_for_workers(2, timeout=60)
@@ -93,3 +94,15 @@ def test_dask_worker_binds_gpus_with_the_nanny_preload(monkeypatch, own_locks):
         finally:
             job.terminate()
             job.wait(30)
+
+
+def test_the_gpu_preload_of_older_job_scripts_still_binds(own_locks):
+    """``--preload-nanny dask_pcm.deploy.gpu``, as job scripts written before the worker
+    setup name it, binds the GPU alone."""
+    nanny = SimpleNamespace(env={"CUDA_VISIBLE_DEVICES": "3"}, name="old")
+    gpu.dask_setup(nanny)
+    assert nanny.env["CUDA_VISIBLE_DEVICES"] == "3" and list(own_locks.glob("gpu-3.0.lock"))
+    gpu.dask_teardown(nanny)
+    again = gpu.claim_gpu(["3"], "again")
+    assert again.slot == 0  # given back
+    unlock(again.fd)

@@ -12,12 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import dask
+import distributed
 import pytest
 from distributed import Client
 from distributed.utils import sync
 
 import dask_pcm
-from dask_pcm.deploy import gpu, jobqueue, jobwatch, preemption
+from dask_pcm.deploy import jobqueue, jobwatch, preemption, worker_setup
 from dask_pcm.deploy.jobqueue import batch_cluster, job_options, walltime_seconds
 from dask_pcm.deploy.jobwatch import parse_queue
 from dask_pcm.testing.tasks import noted_square
@@ -44,8 +45,10 @@ def test_sge_jobs_are_warned_before_preemption_and_retire_before_their_walltime(
     # The job shell and the nanny ignore the warning; the worker process handles it.
     assert lines.index("trap '' USR2") < lines.index("module load cuda") < worker
     assert "--lifetime 3060s --lifetime-stagger 180s" in lines[worker]  # 85 % +- 5 % of 1 h
-    # The worker process installs the plugin that turns the warning into a retirement.
-    assert "--preload dask_pcm.deploy.preemption" in lines[worker]
+    # The worker setup gives the worker process the plugin that turns the warning into a
+    # retirement (tests/deploy/test_worker_setup.py starts such a job's workers).
+    assert f"--preload-nanny {worker_setup.PRELOAD}" in lines[worker]
+    assert preemption.PRELOAD in worker_setup.WORKER_PRELOADS
 
 
 def test_configured_lifetime_and_directives_are_kept():
@@ -58,10 +61,17 @@ def test_configured_lifetime_and_directives_are_kept():
         options = job_options("sge", cores=1, memory="1GB")
     assert options["job_extra_directives"] == ["-notify", "-l h_vmem=8G"]  # no second -notify
     assert options["worker_extra_args"] == [
-        "--lifetime", "20m", "--preload-nanny", gpu.PRELOAD, "--preload", preemption.PRELOAD
-    ]  # fmt: skip
+        "--lifetime",
+        "20m",
+        "--preload-nanny",
+        worker_setup.PRELOAD,
+    ]
     # The scheduler gets the contexts page in its dashboard.
     assert options["scheduler_options"] == {"preload": ["dask_pcm.scheduler.preload"]}
+    again = job_options("sge", worker_extra_args=["--preload-nanny", worker_setup.PRELOAD])
+    assert again["worker_extra_args"].count(worker_setup.PRELOAD) == 1
+    with pytest.raises(ValueError, match="nanny=False: dask_pcm's worker setup runs in the nanny"):
+        job_options("sge", nanny=False)
     with pytest.raises(ValueError, match="unknown batch system 'pbs'"):
         job_options("pbs")
     with pytest.raises(ValueError, match="walltime 'soon'"):
@@ -221,6 +231,70 @@ def test_watchdog_replaces_jobs_that_left_the_queue_and_gives_up_on_broken_ones(
         assert "cluster.job_script()" in str(e.value) and str(logs) in str(e.value)
 
 
+class _RequeuedJob(jobwatch.SGEJob):
+    """An SGE job that is never submitted, whose closes (``qdel``) are counted."""
+
+    submitted: list[str] = []
+    closed: list[str] = []
+
+    async def _submit_job(self, script_filename: str) -> str:
+        job_id = str(2000 + len(self.submitted))
+        self.submitted.append(job_id)
+        return f'Your job {job_id} ("dask-worker") has been submitted'
+
+    @classmethod
+    async def _close_job(cls, job_id: str, cancel_command: str) -> None:
+        cls.closed.append(job_id)
+
+
+def test_a_lost_workers_job_is_kept_while_queued(monkeypatch):
+    """distributed closes a lost worker's job after the lost-worker timeout (0.2 s here);
+    a requeued job, still in the queue, is kept until its worker rejoins under its name, and
+    a job that left the queue is replaced by the watchdog (tests/deploy/test_slurm.py
+    requeues a real SLURM job)."""
+    queue: set[str] = set()
+    monkeypatch.setattr(jobwatch, "queued_job_ids", lambda kind: set(queue))
+    _RequeuedJob.submitted, _RequeuedJob.closed = [], []
+
+    async def worker(name: str) -> distributed.Worker:
+        return await distributed.Worker(cluster.scheduler_address, name=name, nthreads=1)
+
+    def lose(w: distributed.Worker) -> None:
+        sync(cluster.loop, w.close)
+        deadline = time.monotonic() + 30
+        while w.address in cluster.scheduler_info["workers"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1)  # five lost-worker timeouts
+
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}),
+        jobqueue.SGECluster(
+            job_cls=_RequeuedJob, watch_interval="1h", cores=1, memory="1GB",
+            scheduler_options={"dashboard_address": ":0"},
+        ) as cluster,
+    ):  # fmt: skip
+        cluster.scale(1)
+        deadline = time.monotonic() + 30
+        while not _RequeuedJob.submitted:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        queue.update(_RequeuedJob.submitted)
+        (name,) = cluster.workers
+        lose(sync(cluster.loop, worker, name))
+        assert name in cluster.workers and _RequeuedJob.closed == []  # kept: still queued
+        assert sync(cluster.loop, cluster.check_jobs) == []
+        lose(sync(cluster.loop, worker, name))  # requeued, rejoined, lost again
+        assert cluster.replaced_jobs == 0 and len(_RequeuedJob.submitted) == 1
+        queue.clear()  # the job left the queue: the watchdog replaces it
+        assert sync(cluster.loop, cluster.check_jobs) == [name]
+        while len(_RequeuedJob.submitted) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert cluster.replaced_jobs == 1 and name not in cluster.workers
+    assert dask.config.get("distributed.deploy.lost-worker-timeout") == "15s"
+
+
 class _RejectedJob(jobwatch.SGEJob):
     """An SGE job whose submission command fails as qsub does for a queue that is not there
     (the real command line and error path of dask-jobqueue, without Grid Engine)."""
@@ -307,10 +381,13 @@ def test_jobqueue_templates_give_gpu_jobs_with_a_preemption_warning(kind, monkey
     import yaml
 
     config = yaml.safe_load((TEMPLATES / f"{kind}.yaml").read_text())
-    assert config["distributed"]["nanny"]["pre-spawn-environ"] == {"MALLOC_TRIM_THRESHOLD_": None}
+    # The worker settings (no MALLOC_TRIM_THRESHOLD_, the profiler...) come from the worker
+    # setup, which every job's nanny runs, not from a copy in the template.
+    assert set(config) == {"jobqueue"}
     flat = {f"jobqueue.{kind}.{key}": value for key, value in config["jobqueue"][kind].items()}
     with dask.config.set(flat):
         script = _script(kind)
+    assert f"--preload-nanny {worker_setup.PRELOAD}" in script
     assert "export DASK_PCM__WORKER__TEMPLATE_DIRECTORY=" in script
     assert "--nthreads 1 " in script  # one task at a time per GPU
     if kind == "slurm":
