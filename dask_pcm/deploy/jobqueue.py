@@ -4,7 +4,7 @@
 shared, opportunistic GPU clusters. Site settings (queue, cores, memory, GPU request, scratch
 directory, interface) come from dask-jobqueue's configuration as usual (``jobqueue.sge``,
 ``jobqueue.htcondor``, ``jobqueue.slurm``, or the section ``config_name=`` names;
-``jobqueue-templates/`` in the repository has commented examples) or from keyword arguments.
+``jobqueue-configs/`` in the repository has commented examples) or from keyword arguments.
 dask_pcm adds what its workers need:
 
 - the dask_pcm worker setup as the nanny preload of every job (``--preload-nanny
@@ -274,7 +274,7 @@ def batch_cluster(
         if "must specify how" in str(exc):  # dask-jobqueue: no cores or no memory
             raise ValueError(
                 f"{exc}\nSet them in the jobqueue.{kind} configuration (see the repository's "
-                f"jobqueue-templates/{kind}.yaml) or pass cores=..., memory=..."
+                f"jobqueue-configs/{kind}.yaml) or pass cores=..., memory=..."
             ) from exc
         raise
     if minimum is not None or maximum is not None:

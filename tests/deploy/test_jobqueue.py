@@ -82,7 +82,7 @@ def test_configured_lifetime_and_directives_are_kept():
 def test_batch_cluster_without_cores_or_memory_names_the_template(monkeypatch):
     monkeypatch.setitem(dask.config.config["jobqueue"]["sge"], "cores", None)
     monkeypatch.setitem(dask.config.config["jobqueue"]["sge"], "memory", None)
-    with pytest.raises(ValueError, match=r"jobqueue-templates/sge.yaml"):
+    with pytest.raises(ValueError, match=r"jobqueue-configs/sge.yaml"):
         batch_cluster("sge")
 
 
@@ -371,12 +371,12 @@ def test_a_worker_warned_of_preemption_hands_its_work_back(tiny_model_dir, tmp_p
         assert_handed_back(client, held, queued, other, log)
 
 
-TEMPLATES = Path(__file__).parents[2] / "jobqueue-templates"
+TEMPLATES = Path(__file__).parents[2] / "jobqueue-configs"
 
 
 @pytest.mark.parametrize("kind", ["sge", "htcondor", "slurm"])
 def test_jobqueue_templates_give_gpu_jobs_with_a_preemption_warning(kind, monkeypatch):
-    """The commented templates in jobqueue-templates/ are valid dask config and give jobs
+    """The commented templates in jobqueue-configs/ are valid dask config and give jobs
     that request a GPU, keep the template cache on local scratch and warn before a kill."""
     import yaml
 
