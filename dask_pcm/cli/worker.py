@@ -27,7 +27,7 @@ HELP = f"""Start dask_pcm workers attached to the scheduler at SCHEDULER.
 
 The same as `dask worker` (every option below is its own), with the dask_pcm worker setup
 that dask_pcm.local_cluster and batch_cluster jobs give their workers: no
-MALLOC_TRIM_THRESHOLD_ in the worker's environment, a coarser profiler and event-loop tick,
+``MALLOC_TRIM_THRESHOLD_`` in the worker's environment, a coarser profiler and event-loop tick,
 one template folder per host, torch and transformers imported as the worker starts, the
 preemption plugin (SIGUSR2: retire gracefully), and one GPU per worker process on a host
 with GPUs. It is the nanny preload {worker_setup.PRELOAD}, so workers need their nanny
