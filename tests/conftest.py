@@ -2,31 +2,75 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import dask
 import pytest
 from distributed import Client, LocalCluster
 
 from dask_pcm.testing import build_tiny_llama, write_llama_gguf
 
 
+@contextlib.contextmanager
+def cluster_client(
+    n_workers: int = 1,
+    processes: bool = False,
+    config: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Iterator[Client]:
+    """A local cluster and its client (``client.cluster`` is the cluster), all closed on
+    leaving the block, ``config`` (``dask.config.set``) held for as long.
+
+    ``processes=False``: a :class:`distributed.LocalCluster` in this process;
+    ``processes=True``: :func:`dask_pcm.local_cluster` (worker processes with dask_pcm's
+    nanny, as a user's run starts them). One thread per worker and a dashboard on a free
+    port unless ``kwargs`` say otherwise; the other ``kwargs`` go to the cluster
+    (``security`` to the client too). For a fixture of wider scope than a test; a test
+    takes :func:`make_cluster`.
+    """
+    import dask_pcm
+
+    with contextlib.ExitStack() as stack:
+        if config:
+            stack.enter_context(dask.config.set(dict(config)))
+        kwargs.setdefault("dashboard_address", ":0")
+        kwargs.setdefault("threads_per_worker", 1)
+        if processes:
+            cluster = dask_pcm.local_cluster(n_workers=n_workers, **kwargs)
+        else:
+            cluster = LocalCluster(n_workers=n_workers, processes=False, **kwargs)
+        stack.enter_context(cluster)
+        yield stack.enter_context(Client(cluster, security=kwargs.get("security")))
+
+
 @pytest.fixture
-def inproc_cluster() -> Iterator[tuple[LocalCluster, Client]]:
+def make_cluster() -> Iterator[Callable[..., Client]]:
+    """A factory of local clusters for one test: ``make_cluster(n_workers=1,
+    processes=False, config=None, **kwargs)`` returns a client of a new cluster
+    (:func:`cluster_client`); every cluster made is closed at teardown, the last made
+    first, and its ``config`` then restored."""
+    with contextlib.ExitStack() as stack:
+
+        def make(*args: Any, **kwargs: Any) -> Client:
+            return stack.enter_context(cluster_client(*args, **kwargs))
+
+        yield make
+
+
+@pytest.fixture
+def inproc_cluster(make_cluster: Callable[..., Client]) -> tuple[LocalCluster, Client]:
     """A 2-worker, 1-thread-each LocalCluster in this process, and its client."""
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        yield cluster, client
+    client = make_cluster(n_workers=2)
+    return client.cluster, client
 
 
 @pytest.fixture(scope="session")
@@ -177,3 +221,47 @@ def wait_for(condition: Callable[[], Any], seconds: float, what: str) -> Any:
         assert time.monotonic() < deadline, f"timed out after {seconds:.0f} s waiting for {what}"
         time.sleep(0.2)
     return value
+
+
+class StderrReader:
+    """Everything a process writes on standard error (``stderr=subprocess.PIPE``), read as
+    it comes, and the count of units its progress bar shows (tqdm rewrites its line with
+    carriage returns, never a newline)."""
+
+    PROGRESS = re.compile(r"units:.*?\| *(\d+)/(\d+) \[")
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        assert process.stderr is not None
+        self._pipe = process.stderr
+        self._chunks: list[bytes] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while chunk := os.read(self._pipe.fileno(), 65536):
+            self._chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace")
+
+    def units_done(self) -> int:
+        found = self.PROGRESS.findall(self.text())
+        return int(found[-1][0]) if found else 0
+
+    def finish(self) -> str:
+        """All of it, once the process has closed its end."""
+        self._thread.join(timeout=30)
+        return self.text()
+
+
+def group_gone(pgid: int, seconds: float) -> bool:
+    """Whether every process of the group ``pgid`` has exited within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)

@@ -51,7 +51,7 @@ def test_a_folder_of_ones_own_is_a_template(inproc_cluster, tmp_path):
         uses_vectors, ROWS, contexts=context, cluster=client, rows_per_unit=4, progress=False
     )
     out = result.to_pandas()
-    assert list(out["id"]) == list(range(12))
+    assert sorted(out["id"]) == list(range(12))  # in the order units finished
     assert set(out["size"]) == {256 * 64} and set(out["words"]) == {3}
 
 

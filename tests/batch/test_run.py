@@ -10,12 +10,12 @@ import threading
 import time
 
 import pytest
-from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
 import dask_pcm
 from dask_pcm.batch.segments import read_predictions
 from dask_pcm.exceptions import OutputFolderError, UnitError
+from tests.conftest import cluster_client
 
 
 def _lengths(rows, suffix="", fail_on=None):
@@ -161,10 +161,7 @@ def _sleepy(rows):
 
 @pytest.fixture(scope="module")
 def process_cluster():
-    with (
-        dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(n_workers=2, processes=True) as client:
         yield client
 
 

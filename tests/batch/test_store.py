@@ -252,40 +252,84 @@ def test_a_file_size_limit_is_reported_like_a_full_disk(tmp_path):
     _finish_and_check(out, added)
 
 
-_KILLED_BEFORE_INDEXING = """
-import os, signal, sys
+# Adds two units of two rows, a segment each (the first written and indexed whole), and is
+# killed while it writes the second, at the step argv[2] names. argv: folder, step.
+_KILLED_WHILE_FLUSHING = """
+import json, os, signal, sys
 import pyarrow as pa
+from dask_pcm.batch.segments import INDEX
 from dask_pcm.batch.store import OutputStore
 
-def killed(self, entry):  # the segment is renamed into place; the index line never comes
+out, step = sys.argv[1], sys.argv[2]
+replace, append = os.replace, OutputStore._append_index
+
+def kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
-OutputStore._append_index = killed
-store = OutputStore(sys.argv[1], {"kwargs": {}}, segment_rows=1000, flush_interval=0.0)
-store.open()
-store.add("unit-00000", pa.table({"id": [1, 2]}))
+def replaced(src, dst):  # the temporary file is whole and fsynced; the rename never comes
+    if step == "before-rename" and os.path.basename(dst) == "part-000001.parquet":
+        kill()
+    replace(src, dst)
+
+def indexed(self, entry):
+    if entry["segment"] != "part-000001.parquet":
+        return append(self, entry)
+    if step == "mid-index-line":  # half of the line reached the disk
+        line = json.dumps(entry) + "\\n"
+        with open(os.path.join(out, INDEX), "a") as f:
+            f.write(line[: len(line) // 2])
+    kill()  # "before-index": the segment is in place; its index line never comes
+
+os.replace = replaced  # what atomic_file renames with
+OutputStore._append_index = indexed
+s = OutputStore(out, {"kwargs": {}}, segment_rows=2, flush_interval=0.0)
+s.open()
+s.add("unit-00000", pa.table({"id": [0, 1]}))
+s.add("unit-00001", pa.table({"id": [2, 3]}))
 """
 
 
-def test_a_writer_killed_between_the_rename_and_the_index_loses_nothing(tmp_path):
-    """The segment's own footer lists its units: a resume counts them done, and a unit
-    added again is refused, so no row is written twice."""
-    out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_INDEXING, str(out)])
-    assert done.returncode == -9
-    assert (out / "part-000000.parquet").exists()
-    assert not (out / "_dask_pcm_index.jsonl").exists()
+@pytest.mark.parametrize(
+    ("step", "done"),
+    [
+        ("before-rename", {"unit-00000"}),
+        ("before-index", {"unit-00000", "unit-00001"}),
+        ("mid-index-line", {"unit-00000", "unit-00001"}),
+    ],
+)
+def test_a_writer_killed_at_any_step_of_a_flush_loses_nothing(tmp_path, step, done):
+    """SIGKILL before the segment's rename: its temporary file is removed by the next run
+    and its unit counts as not done. After the rename, before or half way through its index
+    line: the segment's own footer lists its units, a resume counts them done and the index
+    is rewritten whole; a unit added again is refused, so no row is written twice."""
+    import json
+
     import pyarrow as pa
 
+    from dask_pcm.batch.segments import INDEX, read_index
     from dask_pcm.batch.store import OutputStore
 
-    with OutputStore(out, {"kwargs": {}}) as store:
-        assert store.done() == {"unit-00000"}
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WHILE_FLUSHING, str(out), step])
+    assert killed.returncode == -9
+    left = [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert bool(left) == (step == "before-rename")  # what the kill left, if anything
+    with OutputStore(out, {"kwargs": {}}, segment_rows=2) as store:
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+        assert store.done() == done
+        lines = (out / INDEX).read_text().splitlines()
+        assert [json.loads(line)["segment"] for line in lines] == [
+            f"part-{i:06d}.parquet" for i in range(len(done))
+        ]  # one whole line per segment: the half line is gone
         with pytest.raises(ValueError, match="already in"):
-            store.add("unit-00000", pa.table({"id": [1, 2]}))
-        store.add("unit-00001", pa.table({"id": [3]}))
-    assert sorted(pd.read_parquet(out)["id"]) == [1, 2, 3]
-    assert "unit-00000" in (out / "_dask_pcm_index.jsonl").read_text()  # indexed now
+            store.add("unit-00000", pa.table({"id": [0, 1]}))
+        if "unit-00001" not in done:
+            store.add("unit-00001", pa.table({"id": [2, 3]}))
+        store.add("unit-00002", pa.table({"id": [4]}))
+    assert sorted(pd.read_parquet(out)["id"]) == [0, 1, 2, 3, 4]
+    assert {u for s in read_index(out)[0].values() for u in s.units} == {
+        "unit-00000", "unit-00001", "unit-00002",
+    }  # fmt: skip
 
 
 def test_changed_provenance_is_refused_naming_the_key(tmp_path):

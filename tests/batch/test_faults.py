@@ -1,0 +1,164 @@
+"""run_batch under faults of the run itself, with a plain function: a unit that never returns
+while the others finish, a scheduler process killed during the run and one killed during a
+call to it. Each fault is real (a task blocked, ``dask scheduler`` sent SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import dask
+import pytest
+from distributed import Client
+
+import dask_pcm
+from dask_pcm.batch.segments import INDEX, read_predictions
+from dask_pcm.exceptions import ClusterLostError
+
+RELEASE = threading.Event()
+
+
+def stuck_on_row_one(rows):
+    """Doubles each id; the unit holding id 1 does not return until RELEASE is set."""
+    if any(r["id"] == 1 for r in rows):
+        RELEASE.wait(60)
+    return [{"id": r["id"], "double": 2 * r["id"]} for r in rows]
+
+
+def test_finished_units_are_written_on_time_while_a_unit_never_returns(make_cluster, tmp_path):
+    """Only a new finished unit used to flush: with one unit stuck, the others stayed in
+    memory far past the flush interval, lost if the run was killed."""
+    settings = {"pcm.batch.flush-interval": "0.5s", "pcm.batch.task-seconds": 0}
+    client = make_cluster(n_workers=2, config=settings)
+    RELEASE.clear()
+    out = tmp_path / "out"
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        rows = [{"id": i} for i in range(30)]
+        try:
+            outcome["result"] = dask_pcm.run_batch(
+                stuck_on_row_one, rows, cluster=client, rows_per_unit=3, output=out, progress=False
+            )
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        written = 0
+        while written < 27 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            if (out / INDEX).exists():
+                written = len(read_predictions(out))
+        assert written == 27, f"{written} of the 27 finished rows on disk"
+        assert thread.is_alive()  # the stuck unit still runs
+    finally:
+        RELEASE.set()
+        thread.join(60)
+    assert "error" not in outcome, outcome.get("error")
+    assert sorted(read_predictions(out)["id"]) == list(range(30))
+
+
+@pytest.fixture
+def own_scheduler(tmp_path):
+    """A scheduler process and one worker process, as ``dask scheduler`` / ``dask worker``
+    start them: ``(address, scheduler process)``. They import this module as the client
+    does (a user's functions must be importable on the cluster)."""
+    scheduler_file = tmp_path / "scheduler.json"
+    dask_bin = Path(sys.executable).with_name("dask")
+    argv = [dask_bin, "scheduler", "--port", "0", "--dashboard-address", ":0"]
+    argv += ["--scheduler-file", str(scheduler_file)]
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    scheduler = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        address = json.loads(scheduler_file.read_text())["address"]
+        worker = subprocess.Popen(
+            [dask_bin, "worker", address, "--nthreads", "1", "--death-timeout", "5"],
+            env=env,
+            stderr=subprocess.DEVNULL,
+        )
+        yield address, scheduler
+    finally:
+        for process in (worker, scheduler):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(30)
+
+
+def slow_double(rows, started):
+    """Doubles each id, 20 ms a unit; the first unit creates the file ``started``."""
+    Path(started).touch()
+    time.sleep(0.02)
+    return [{"id": r["id"], "double": 2 * r["id"]} for r in rows]
+
+
+def _run(client: Client, tmp_path: Path) -> None:
+    rows = [{"id": i} for i in range(400)]
+    dask_pcm.run_batch(
+        slow_double, rows, cluster=client, rows_per_unit=1, output=tmp_path / "out",
+        progress=False, started=str(tmp_path / "started"),
+    )  # fmt: skip
+
+
+def test_a_killed_scheduler_is_named_not_a_cancelled_task(tmp_path, own_scheduler):
+    """The client used to say "task ... ended as 'cancelled', not finished"."""
+    address, scheduler = own_scheduler
+    with Client(address) as client:
+        client.wait_for_workers(1, timeout=60)
+
+        def kill_soon() -> None:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # until units run
+            time.sleep(0.5)
+            scheduler.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_soon)
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
+            _run(client, tmp_path)
+        killer.join()
+        assert time.monotonic() - start < 40
+
+
+def test_a_scheduler_killed_during_a_call_to_it_is_named(tmp_path, own_scheduler):
+    """A scheduler that dies while the run waits on a call to it (here the check for overdue
+    tasks, made every second when tasks have a timeout) used to end the run with the call's
+    own ``OSError: Timed out trying to connect to ...`` (seen in CI, where the kill landed
+    during such a call)."""
+    address, scheduler = own_scheduler
+    settings = {"distributed.comm.timeouts.connect": "3s", "pcm.batch.task-timeout": 600}
+    with dask.config.set(settings), Client(address) as client:
+        client.wait_for_workers(1, timeout=60)
+        call = client.run_on_scheduler
+        checks = []
+
+        def killed_during(function, *args, **kwargs):
+            if function.__name__ == "_executing":
+                checks.append(1)
+                if len(checks) == 2:  # a second into the run, units running
+                    scheduler.send_signal(signal.SIGKILL)
+                    scheduler.wait(30)
+                    deadline = time.monotonic() + 30
+                    while client.status == "running" and time.monotonic() < deadline:
+                        time.sleep(0.05)  # the client has seen its connection close
+            return call(function, *args, **kwargs)
+
+        client.run_on_scheduler = killed_during  # type: ignore[method-assign]
+        with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
+            _run(client, tmp_path)
+        assert len(checks) == 2 and (tmp_path / "started").exists()
