@@ -14,8 +14,8 @@ from dask_pcm.batch.segments import read_footer
 
 
 @pytest.fixture
-def client(inproc_cluster):
-    return inproc_cluster[1]
+def client(make_cluster):
+    return make_cluster(n_workers=2)
 
 
 def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_dir):
