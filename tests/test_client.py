@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import dask
 import pytest
 from distributed import Client, LocalCluster
 from distributed.core import PooledRPCCall
@@ -20,6 +19,7 @@ import dask_pcm
 from dask_pcm import ContextLoadError, protocol
 from dask_pcm.deploy.preemption import NAME as PREEMPTION
 from dask_pcm.scheduler import ContextScheduler, get_plugin
+from tests.conftest import cluster_client
 
 # Loaders live at module level so that they pickle by reference; the workers are threads of
 # this process, so they append to these lists.
@@ -54,14 +54,9 @@ def _no_loads() -> Iterator[None]:
 @contextmanager
 def _cluster(workers: int) -> Iterator[tuple[LocalCluster, Client]]:
     # The client refreshes its scheduler info every 2 s (an rpc call of its own): not here.
-    with (
-        dask.config.set({"distributed.client.scheduler-info-interval": "1h"}),
-        LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        yield cluster, client
+    config = {"distributed.client.scheduler-info-interval": "1h"}
+    with cluster_client(workers, config=config) as client:
+        yield client.cluster, client
 
 
 @pytest.fixture

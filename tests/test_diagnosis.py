@@ -7,7 +7,6 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from distributed import Client, LocalCluster
 
 import dask_pcm
 from dask_pcm.cli import main
@@ -36,13 +35,10 @@ def test_a_model_that_cannot_load_is_an_error_and_exit_status_one(tmp_path):
     assert "ERROR" in result.output and str(missing) in result.output
 
 
-def test_doctor_examines_every_worker(tiny_model_dir):
-    with (
-        LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
-        reports = dask_pcm.doctor(client, model=str(tiny_model_dir), compare=False)
-        workers = sorted(cluster.scheduler.workers)
+def test_doctor_examines_every_worker(make_cluster, tiny_model_dir):
+    client = make_cluster(n_workers=2)
+    reports = dask_pcm.doctor(client, model=str(tiny_model_dir), compare=False)
+    workers = sorted(client.cluster.scheduler.workers)
     assert sorted(r.worker for r in reports) == workers
     assert {(r.device, r.dtype, r.batch_size) for r in reports} == {("cpu", "float32", 8)}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from distributed import Client
 
 import dask_pcm
 from dask_pcm.cli import main
@@ -22,20 +21,20 @@ def _complete(question: str) -> str:
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_on_two_workers():
+def test_embedded_smollm2_on_two_workers(make_cluster):
     prompts = [
         "The capital of France is",
         "Monday, Tuesday, Wednesday,",
         "One, two, three, four,",
         "The opposite of hot is",
     ]
-    with dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as lc, Client(lc) as client:
-        dask_pcm.register(client, dask_pcm.causal_lm(name="smollm2"))
-        batch = dask_pcm.submit(client, _next_tokens, prompts, context="smollm2").result()
-        answer = dask_pcm.submit(
-            client, _complete, "What is the capital of France?", context="smollm2"
-        ).result()
-        table = dask_pcm.status(client)
+    client = make_cluster(n_workers=2, processes=True)
+    dask_pcm.register(client, dask_pcm.causal_lm(name="smollm2"))
+    batch = dask_pcm.submit(client, _next_tokens, prompts, context="smollm2").result()
+    answer = dask_pcm.submit(
+        client, _complete, "What is the capital of France?", context="smollm2"
+    ).result()
+    table = dask_pcm.status(client)
     assert [batch[0].strip(), batch[2].strip()] == ["Paris", "five"]
     assert all(t.strip().isalpha() for t in batch)  # real words, not byte fragments
     assert "Paris" in answer

@@ -14,15 +14,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from distributed import Client
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from dask_pcm import client as pcm
 from dask_pcm.apps.openai_batch import read_requests
 from dask_pcm.cli import main
-from dask_pcm.deploy.local import local_cluster
 from dask_pcm.exceptions import BatchInputError
+from tests.conftest import cluster_client
 
 CHAT, COMPLETIONS, EMBEDDINGS = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 MODELS = {CHAT: ChatCompletion, COMPLETIONS: Completion, EMBEDDINGS: CreateEmbeddingResponse}
@@ -198,18 +197,18 @@ def test_chat_parts_and_defaults_make_a_row(tmp_path):
 
 def test_a_running_scheduler_keeps_the_model_between_runs(tiny_model_dir, tmp_path):
     requests = write_requests(tmp_path / "requests.jsonl", [request(i) for i in range(12)])
-    with local_cluster(n_workers=1, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with cluster_client(processes=True) as client:
         scheduler_file = tmp_path / "scheduler.json"
         client.write_scheduler_file(str(scheduler_file))
         args = ["batch", "-i", str(requests), "--model", str(tiny_model_dir)]
         for run, option in enumerate([["--scheduler-file", str(scheduler_file)],
-                                      ["--scheduler", cluster.scheduler_address]]):  # fmt: skip
+                                      ["--scheduler", client.scheduler.address]]):  # fmt: skip
             result = CliRunner().invoke(main, [*args, *option, "-o", str(tmp_path / f"{run}")])
             assert result.exit_code == 0, result.output
             assert "11 succeeded, 1 failed, 0 skipped line(s)" in result.output
         (row,) = pcm.status(client).itertuples()
         assert (row.context, row.loads, row.tasks) == ("openai-batch-llm", 1, 2)
-        args += ["-o", str(tmp_path / "x"), "--scheduler", cluster.scheduler_address]
+        args += ["-o", str(tmp_path / "x"), "--scheduler", client.scheduler.address]
         clash = CliRunner().invoke(main, [*args, "--workers", "2"])
         assert clash.exit_code == 2 and "drop --workers" in clash.output
 

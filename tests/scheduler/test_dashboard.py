@@ -12,13 +12,12 @@ import threading
 import time
 import urllib.request
 
-import dask
 import pytest
-from distributed import Client, LocalCluster
 
 import dask_pcm
 from dask_pcm.apps.fever.data import demo_claims
 from dask_pcm.testing.models import build_tiny_llama
+from tests.conftest import cluster_client
 
 
 def _get(url: str) -> str:
@@ -28,8 +27,7 @@ def _get(url: str) -> str:
 
 
 def test_a_local_cluster_serves_dasks_dashboard_and_the_contexts_pages():
-    cluster = dask_pcm.local_cluster(n_workers=1, dashboard_address=":0")
-    with cluster, Client(cluster) as client:
+    with cluster_client(processes=True) as client:
         base = client.dashboard_link.rsplit("/", 1)[0]
         status = _get(f"{base}/status")
         assert "needs bokeh" not in status.lower()  # what it said without Bokeh installed
@@ -57,11 +55,7 @@ def test_a_worker_copying_a_template_shows_the_bytes_so_far(tmp_path):
         "pcm.template.source-bandwidth": 2**20,  # 2 MiB in about 2 s
     }
     seen: list[tuple[str, int, int]] = []
-    with (
-        dask.config.set(settings),
-        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(config=settings) as client:
         context = dask_pcm.Context("copied", SlowCopyLoader(), template=str(template))
         registering = threading.Thread(target=dask_pcm.register, args=(client, context))
         registering.start()
@@ -136,15 +130,7 @@ def test_a_scheduler_started_with_the_preload_has_both_pages_from_its_start():
 
     dashboard.applications.pop(bokeh_page.ROUTE, None)
     sys.modules.pop(SCHEDULER_PRELOAD, None)
-    with (
-        LocalCluster(
-            n_workers=0,
-            processes=False,
-            dashboard_address=":0",
-            scheduler_kwargs={"preload": [SCHEDULER_PRELOAD]},
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(n_workers=0, scheduler_kwargs={"preload": [SCHEDULER_PRELOAD]}) as client:
         base = client.dashboard_link.rsplit("/", 1)[0]
         assert "Dask: PCM contexts" in _get(base + bokeh_page.ROUTE)
         assert json.loads(_get(base + "/pcm/status.json"))["contexts"] == {}  # no register yet

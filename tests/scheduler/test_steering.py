@@ -27,6 +27,7 @@ from distributed import Client, LocalCluster, SchedulerPlugin, get_worker
 import dask_pcm
 from dask_pcm import ContextLoadError
 from dask_pcm.scheduler import get_plugin
+from tests.conftest import cluster_client
 
 GATE = threading.Event()
 MODE = {"block": False, "fail": False}
@@ -83,14 +84,9 @@ class TaskStates(SchedulerPlugin):
 def one_worker() -> Iterator[tuple[LocalCluster, Client]]:
     GATE.clear()
     MODE.update(block=False, fail=False)
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client() as client:
         client.register_plugin(TaskStates())
-        yield cluster, client
+        yield client.cluster, client
     GATE.set()  # never leave a loader thread blocked
 
 

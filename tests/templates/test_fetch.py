@@ -16,6 +16,7 @@ from dask_pcm.templates.fetch import SourcePlanner, fetch
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.serve import TemplateStore
 from dask_pcm.testing import SharedBandwidth, StaticPeers, ThrottledReader
+from tests.conftest import cluster_client
 
 KIB = 1024
 
@@ -282,7 +283,6 @@ def test_workers_get_the_template_from_peers_and_build_the_same_model(
 
 
 def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model_dir, tmp_path):
-    from distributed import LocalCluster
 
     import dask_pcm
 
@@ -293,16 +293,10 @@ def test_workers_joining_together_split_the_source_and_share_the_rest(tiny_model
         "pcm.template.source-bandwidth": int(total / 1.5),  # one whole read: 1.5 s
         "pcm.worker.load-concurrency": 2,
     }
-    with (
-        dask.config.set(settings),
-        LocalCluster(
-            n_workers=0, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(n_workers=0, config=settings) as client:
         SharedBandwidth(1, name="template-source").reset()
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
-        cluster.scale(2)
+        client.cluster.scale(2)
         client.wait_for_workers(2, timeout=30)
         deadline = time.monotonic() + 60
         while not (table := dask_pcm.status(client))["state"].eq("ready").all() or len(table) < 2:
@@ -471,7 +465,6 @@ def test_a_joiner_whose_only_peer_is_frozen_is_ready_from_the_source(tiny_model_
 def test_a_reused_local_copy_is_verified_before_it_is_used_or_served(tiny_model_dir, tmp_path):
     """A worker finds a complete copy left in its template folder by an earlier worker, but
     damaged since: it checks every chunk, fetches the template again, builds from good bytes."""
-    from distributed import LocalCluster
 
     import dask_pcm
 
@@ -483,13 +476,7 @@ def test_a_reused_local_copy_is_verified_before_it_is_used_or_served(tiny_model_
     context = dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu")
     manifest = build_manifest(tiny_model_dir, 16 * KIB)[0]
     for attempt in range(2):
-        with (
-            dask.config.set(settings),
-            LocalCluster(
-                n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-            ) as cluster,
-            Client(cluster) as client,
-        ):
+        with cluster_client(config=settings) as client:
             dask_pcm.register(client, context)
             row = dask_pcm.status(client).iloc[0]
         copy = Path(row["location"])
@@ -573,7 +560,6 @@ def test_a_slow_copy_does_not_hold_up_another_contexts_load(tiny_model_dir, tmp_
 def test_peer_copies_work_over_tls(tiny_model_dir, tmp_path):
     """With TLS between all (distributed's Security.temporary()), a joiner still copies the
     whole template from its peer."""
-    from distributed import LocalCluster
     from distributed.security import Security
 
     import dask_pcm
@@ -584,21 +570,10 @@ def test_peer_copies_work_over_tls(tiny_model_dir, tmp_path):
         "pcm.cache-directory": str(tmp_path / "cache"),
         "pcm.template.chunk-size": "16 KiB",
     }
-    with (
-        dask.config.set(settings),
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=1,
-            processes=False,
-            protocol="tls://",
-            security=security,
-            dashboard_address=":0",
-        ) as cluster,
-        Client(cluster, security=security) as client,
-    ):
+    with cluster_client(config=settings, protocol="tls://", security=security) as client:
         dask_pcm.register(client, dask_pcm.causal_lm(tiny_model_dir, name="tiny", device="cpu"))
         (holder,) = _workers(client)
-        joiner = _add_joiner(cluster, client, holder)
+        joiner = _add_joiner(client.cluster, client, holder)
         row = _wait_ready(client, joiner, 60)
     assert holder.startswith("tls://") and joiner.startswith("tls://")
     assert (row["bytes_from_peers"], row["bytes_from_source"]) == (total, 0)

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, get_worker
+from distributed import Client, get_worker
 
 import dask_pcm
 from dask_pcm import ContextLoadError, ContextNotFoundError, ContextTimeoutError
 from dask_pcm.engine.model import building_for_one_task
 from dask_pcm.templates.sources import resolve_source, template_files
+from tests.conftest import cluster_client
 
 # Loaders and tasks live at module level so that they pickle by reference.
 
@@ -105,10 +106,7 @@ def test_partial_copies_template_once_and_loads_per_task(cluster, tiny_model_dir
 def test_same_results_at_every_level(tiny_model_dir):
     prompts = [f"the sky is colour {i}" for i in range(6)]
     answers = {}
-    with (
-        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as lc,
-        Client(lc) as client,
-    ):
+    with cluster_client() as client:
         for level in ("full", "partial", "agnostic"):
             ctx = dask_pcm.causal_lm(tiny_model_dir, name="tiny", level=level)
             dask_pcm.register(client, ctx)
@@ -130,10 +128,7 @@ def test_per_task_levels_build_for_one_task_and_full_for_many(tiny_model_dir):
     # What lets a loader skip work that pays off only over many tasks (CausalLM's warm-up
     # pass on a CPU): at agnostic and partial the object serves one task, at full every task.
     seen = {}
-    with (
-        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as lc,
-        Client(lc) as client,
-    ):
+    with cluster_client() as client:
         for level in ("full", "partial", "agnostic"):
             ctx = dask_pcm.Context("flag", _one_task_flag, template=str(tiny_model_dir))
             dask_pcm.register(client, ctx, level=level)
@@ -293,12 +288,7 @@ def test_closing_worker_frees_its_context_before_close_returns():
     # process exits, which aborted it ("terminate called without an active exception").
     RELEASED.clear()
     RELEASING_THREADS.clear()
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(n_workers=2) as client:
         dask_pcm.register(client, dask_pcm.Context("rel", ReleasingLoader(), template="there"))
     assert RELEASED == ["there", "there"]
     assert not any("_release" in name for name in RELEASING_THREADS), RELEASING_THREADS

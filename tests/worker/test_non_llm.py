@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import dask
-from distributed import Client, LocalCluster, get_worker
+from distributed import get_worker
 
 import dask_pcm
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.tree import tree_files
 from dask_pcm.testing.encoders import MeanPoolingEncoder, build_tiny_encoder
+from tests.conftest import cluster_client
 
 TEXTS = ["Paris is the capital of France.", "Penguins are birds that cannot fly."]
 
@@ -39,13 +39,7 @@ def test_an_encoder_with_subfolders_reaches_a_later_worker_from_its_peer(tmp_pat
         "pcm.cache-directory": str(tmp_path / "cache"),
         "pcm.template.chunk-size": "16 KiB",
     }
-    with (
-        dask.config.set(settings),
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(config=settings) as client:
         context = dask_pcm.Context("encoder", MeanPoolingEncoder(), template=encoder_dir)
         table = dask_pcm.register(client, context, level="full")
         (holder,) = table["worker"]
@@ -53,7 +47,7 @@ def test_an_encoder_with_subfolders_reaches_a_later_worker_from_its_peer(tmp_pat
         assert {"1_Pooling/config.json", "tokenizer/tokenizer.json", "README.md"} <= {
             f.path for f in manifest.files
         }
-        cluster.scale(2)
+        client.cluster.scale(2)
         client.wait_for_workers(2, timeout=60)
         (joiner,) = set(client.scheduler_info()["workers"]) - {holder}
         # Registered again, unchanged: the scheduler answers once the joiner has it too
@@ -102,13 +96,7 @@ def test_a_context_without_files_copies_nothing_and_its_loader_gets_none(tmp_pat
         "pcm.worker.template-directory": str(templates),
     }
     levels = ("full", "partial", "agnostic")
-    with (
-        dask.config.set(settings),
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
+    with cluster_client(n_workers=2, config=settings) as client:
         for level in levels:
             dask_pcm.register(client, dask_pcm.Context(level, _fileless, level=level))
         for level in levels:

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from click.testing import CliRunner
-from distributed import Client
 
 from dask_pcm import client as pcm
 from dask_pcm.cli import main
-from dask_pcm.deploy.local import local_cluster
+from tests.conftest import cluster_client
 
 
 def test_fever_runs_on_a_running_scheduler_that_keeps_the_model(tiny_model_dir, tmp_path):
     args = ["fever", "--model", str(tiny_model_dir), "--num-templates", "1", "--limit", "6"]
-    with local_cluster(n_workers=1, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with cluster_client(processes=True) as client:
         scheduler_file = tmp_path / "scheduler.json"
         client.write_scheduler_file(str(scheduler_file))
-        for option in (["--scheduler", cluster.scheduler_address],
+        for option in (["--scheduler", client.scheduler.address],
                        ["--scheduler-file", str(scheduler_file)]):  # fmt: skip
             result = CliRunner().invoke(main, [*args, *option])
             assert result.exit_code == 0, result.output
