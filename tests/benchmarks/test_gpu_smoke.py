@@ -15,7 +15,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "gpu_smoke.py"
 CHECKS = {"weights", "logits", "peak-memory", "release", "fever", "oversized-batch"}
 
 
-@pytest.mark.slow
+@pytest.mark.soak  # a whole tool run (every check, the FEVER one included): CI runs it after
+# the README's command
 def test_the_gpu_smoke_script_runs_on_a_cpu(tmp_path: Path) -> None:
     report = tmp_path / "smoke.json"
     run = subprocess.run(

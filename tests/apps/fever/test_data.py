@@ -18,7 +18,8 @@ from dask_pcm.apps.fever import (
     sample_claims,
     write_demo,
 )
-from dask_pcm.exceptions import FeverFormatError, PCMError
+from dask_pcm.apps.fever.errors import FeverFormatError
+from dask_pcm.exceptions import PCMError
 
 FEVER_DEV = Path(__file__).parents[4] / "shared/data/fever/paper_dev.jsonl"
 

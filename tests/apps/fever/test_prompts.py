@@ -15,7 +15,7 @@ from dask_pcm.apps.fever import (
     get_templates,
     read_templates,
 )
-from dask_pcm.exceptions import FeverFormatError
+from dask_pcm.apps.fever.errors import FeverFormatError
 
 CLAIM = "The Danube flows through Vienna."
 

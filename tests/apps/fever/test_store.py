@@ -15,9 +15,10 @@ import pandas as pd
 import pytest
 
 import dask_pcm
+from dask_pcm.apps.fever.errors import FeverFormatError
 from dask_pcm.apps.fever.run import run_fever
 from dask_pcm.batch import content_digest as model_digest
-from dask_pcm.exceptions import FeverFormatError, OutputFolderError
+from dask_pcm.exceptions import OutputFolderError
 
 
 @pytest.fixture
