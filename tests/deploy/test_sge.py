@@ -103,7 +103,10 @@ def test_fever_run_completes_exactly_once_while_workers_are_preempted(tmp_path):
                 record = {"id": copy * 100 + int(c.id), "label": c.label, "claim": c.claim}
                 f.write(json.dumps(record) + "\n")
     with (
-        _sge_cluster(tmp_path, workers=2) as cluster,
+        # Each job its own local disk, as on nodes of their own: workers sharing a folder
+        # share one template copy per host (the worker setup), and a replacement would
+        # find the copy there instead of fetching it from a peer.
+        _sge_cluster(tmp_path, workers=2, local_directory=f"{tmp_path}/scratch/$JOB_ID") as cluster,
         Client(cluster) as client,
     ):
         client.wait_for_workers(2, timeout=120)
