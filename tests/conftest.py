@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -265,3 +266,26 @@ def group_gone(pgid: int, seconds: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
+
+
+def signal_after_units(run: Any, stderr: Any, signum: int, units: int = 5) -> tuple[int, str]:
+    """Send ``signum`` to the process ``run`` (its own process only, as ``kill PID`` does)
+    once its progress bar (``stderr``, a :class:`StderrReader`) shows ``units`` finished;
+    wait for it and for its process group to be gone (a signalled run closes the cluster it
+    started). Returns the units seen at the signal and its stderr. Kills the group if not."""
+    try:
+        deadline = time.monotonic() + 120
+        while stderr.units_done() < units:
+            assert run.poll() is None, stderr.finish()[-2000:]
+            assert time.monotonic() < deadline, "no units finished"
+            time.sleep(0.02)
+        run.send_signal(signum)
+        seen = stderr.units_done()
+        run.wait(timeout=120)
+        text = stderr.finish()
+        assert group_gone(run.pid, 30), "worker processes outlived the run"
+    finally:
+        if run.poll() is None or not group_gone(run.pid, 0.1):
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    return seen, text

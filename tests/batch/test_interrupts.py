@@ -5,16 +5,14 @@ closing the local cluster it started, and the same script resumes to every row o
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from dask_pcm.batch.segments import read_predictions
 from tests.batch import paced_run
-from tests.conftest import StderrReader, group_gone
+from tests.conftest import StderrReader, signal_after_units
 
 ROWS = 100
 # Only the run's last flush writes (no timed flush), and one unit per task, one task at a
@@ -39,22 +37,7 @@ def test_a_signalled_run_writes_its_finished_units_and_resumes(
     args = ["--rows", str(ROWS)]
     run = paced_run.start(out, *args, env=PACED, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     stderr = StderrReader(run)
-    try:
-        deadline = time.monotonic() + 120
-        while stderr.units_done() < 5:
-            assert run.poll() is None, stderr.finish()[-2000:]
-            assert time.monotonic() < deadline, "no units finished"
-            time.sleep(0.02)
-        run.send_signal(signum)  # the script's process only, as `kill PID` does
-        seen = stderr.units_done()
-        run.wait(timeout=120)
-        text = stderr.finish()
-        # Signalled, run_batch closed the local cluster it had started.
-        assert group_gone(run.pid, 30), "worker processes outlived the run"
-    finally:
-        if run.poll() is None or not group_gone(run.pid, 0.1):
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait()
+    seen, text = signal_after_units(run, stderr, signum)
     assert run.returncode == 128 + signum, text[-2000:]
     assert f"interrupted: {raised}" in text and "Traceback" not in text
     kept = read_predictions(out)

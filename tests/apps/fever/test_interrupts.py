@@ -13,11 +13,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from dask_pcm.batch.store import read_predictions
-from tests.conftest import StderrReader, group_gone
+from tests.conftest import StderrReader, signal_after_units
 
 CLAIMS = 100
 TEMPLATES = ["direct", "yes-no"]
@@ -58,22 +57,7 @@ def test_a_terminated_run_says_where_its_finished_units_are_and_exits_143(tiny_m
         stderr=subprocess.PIPE,
     )
     stderr = StderrReader(run)
-    try:
-        deadline = time.monotonic() + 120
-        while stderr.units_done() < 5:
-            assert run.poll() is None, stderr.finish()[-2000:]
-            assert time.monotonic() < deadline, "no units finished"
-            time.sleep(0.02)
-        run.send_signal(signal.SIGTERM)  # the command's process only, as `kill PID` does
-        seen = stderr.units_done()
-        run.wait(timeout=120)
-        text = stderr.finish()
-        # Signalled, it ended its local cluster itself.
-        assert group_gone(run.pid, 30), "worker processes outlived the command"
-    finally:
-        if run.poll() is None or not group_gone(run.pid, 0.1):
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait()
+    seen, text = signal_after_units(run, stderr, signal.SIGTERM)
     assert run.returncode == 143, text[-2000:]
     assert (
         f"Interrupted (SIGTERM): finished units are in {out}; run the same command again to "
