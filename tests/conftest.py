@@ -203,7 +203,7 @@ def fever_cli_on_jobs(kind: str, tmp_path: Path, model: Path) -> dict[str, Any]:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())["report"]
-    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
+    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0, "unfinished": 0}
     assert 1 <= len(report["workers"]) <= 2
     assert sum(w["tasks"] for w in report["workers"]) == 6
     return report

@@ -317,6 +317,10 @@ class Dispatch:
     columns
         The output's column types so far (an output folder's, on a resume): a unit whose
         rows do not fit them is that unit's error.
+    deadline
+        A ``time.monotonic()`` past which nothing more is submitted and the tasks in flight
+        are cancelled: the loop returns with ``expired`` set and the units not finished by
+        then left out (neither handed over nor failed).
     """
 
     def __init__(
@@ -330,8 +334,11 @@ class Dispatch:
         in_flight: int | None = None,
         on_tick: Callable[[], Any] = lambda: None,
         columns: OutputColumns | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.client = client
+        self.deadline = deadline
+        self.expired = False
         self.queue: deque[Unit] = deque(todo)
         self.work = work
         self.on_unit = on_unit
@@ -419,6 +426,9 @@ class Dispatch:
         try:
             queue = as_completed(self._submit(self._next_tasks()))
             while not queue.is_empty():
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    self._expire()
+                    break
                 batch = next_batch(queue, TICK)
                 if batch:
                     self._collect(batch, queue)
@@ -446,6 +456,20 @@ class Dispatch:
                     )
                 raise scheduler_lost(self.client, why) from exc
             raise
+
+    def _expire(self) -> None:
+        """The deadline passed: cancel what runs, forget what waits."""
+        self.expired = True
+        if self._running:
+            self.client.cancel(list(self._running))
+        for waiting in (self._running, self.queue, self._retry, self._again, self._quarantine):
+            waiting.clear()
+        self._parts.clear()
+
+    @property
+    def unfinished(self) -> int:
+        """Units neither handed over nor failed (those left out when the deadline passed)."""
+        return len(self._totals)
 
     def _tick(self) -> None:
         self._ticked = time.monotonic()

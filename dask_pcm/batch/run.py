@@ -50,7 +50,8 @@ class BatchResult:
     ----------
     report
         ``wall_seconds``; ``units`` (``total``, ``computed`` now, ``reused`` from the
-        output folder, ``failed``); ``tasks`` submitted; ``files`` (segments in the folder);
+        output folder, ``failed``, ``unfinished``: left out at the ``deadline``); ``expired``
+        (the deadline passed); ``tasks`` submitted; ``files`` (segments in the folder);
         ``rows``; ``lost_rows`` (rows recorded as errors because they killed their workers);
         ``workers`` (per worker and context: loads, load seconds, tasks in this run).
     output
@@ -120,6 +121,8 @@ def run_batch(
     workers: int | None = None,
     progress: bool = True,
     prepare: Callable[[Client, list[Unit]], Any] | None = None,
+    on_unit: Callable[[str, pa.Table | None, dict[str, Any] | None], Any] | None = None,
+    deadline: float | None = None,
     **fn_kwargs: Any,
 ) -> BatchResult:
     """Run ``fn(rows, **fn_kwargs)`` over ``data`` in units, on workers with ``contexts``.
@@ -185,6 +188,16 @@ def run_batch(
     prepare
         Called with the client and the units to compute once the contexts are registered,
         before any unit (a check of the whole input on a worker, say); may raise.
+    on_unit
+        Called on the client as each unit of this run is written: ``on_unit(name, table,
+        None)`` with its rows, or ``on_unit(name, None, record)`` for a unit that failed
+        (``record`` as in ``errors``, with its ``ids``); an application's own account of
+        the run (a status file, say). It runs in the dispatch loop: keep it quick.
+    deadline
+        Seconds the run may take from its start: past them nothing more is submitted, what
+        runs is cancelled, and the run returns with what finished by then
+        (``report["expired"]``, ``report["units"]["unfinished"]``); a rerun with the same
+        output folder does the rest.
 
     Returns
     -------
@@ -242,10 +255,15 @@ def run_batch(
             failures.append({"unit": name, **record})
             if store:
                 store.add_error(name, record)
+            if on_unit is not None:
+                on_unit(name, None, record)
 
-        sink = _Sink(store, tables, failed, written_schema(output) if output else None)
+        sink = _Sink(store, tables, failed, written_schema(output) if output else None, on_unit)
+        ends = None if deadline is None else time.monotonic() + deadline
         # A resume with nothing left to compute starts no cluster and loads no model.
-        outcome = _compute(cluster, workers, declared, level, todo, work, sink, progress, prepare)
+        outcome = _compute(
+            cluster, workers, declared, level, todo, work, sink, progress, prepare, ends
+        )
     report = {
         "wall_seconds": time.perf_counter() - start,
         "units": {
@@ -253,7 +271,9 @@ def run_batch(
             "computed": len(todo),
             "reused": len(units) - len(todo),
             "failed": len(failures),
+            "unfinished": outcome.get("unfinished", 0),
         },
+        "expired": outcome.get("expired", False),
         "tasks": outcome.get("tasks", 0),
         "files": store.files if store else 0,
         "rows": len(rows),
@@ -272,12 +292,15 @@ class _Sink:
     tables: list[Any]
     failed: Callable[[str, dict[str, Any]], None]
     written: pa.Schema | None = None  # the columns of the folder's segments, on a resume
+    on_unit: Callable[[str, pa.Table | None, dict[str, Any] | None], Any] | None = None
 
     def finished(self, name: str, table: pa.Table) -> None:
         if self.store:
             self.store.add(name, table)
         else:
             self.tables.append(table)
+        if self.on_unit is not None:
+            self.on_unit(name, table, None)
 
     def tick(self) -> None:
         if self.store:
@@ -298,6 +321,7 @@ def _compute(
     sink: _Sink,
     progress: bool,
     prepare: Callable[[Client, list[Unit]], Any] | None,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Register the contexts and run ``todo``: tasks, lost rows and the workers' report."""
     if not todo:
@@ -311,7 +335,7 @@ def _compute(
             prepare(client, todo)
         dispatch = Dispatch(
             client, todo, work, sink.finished, sink.failed, bar.update, on_tick=sink.tick,
-            columns=OutputColumns(sink.written),
+            columns=OutputColumns(sink.written), deadline=deadline,
         )  # fmt: skip
         dispatch.run()
         report = clusters.workers_report(client, names, dispatch.served)
@@ -323,7 +347,13 @@ def _compute(
             sink.flush()
         finally:
             close()
-    return {"tasks": dispatch.tasks, "lost_rows": dispatch.lost_rows, "workers": report}
+    return {
+        "tasks": dispatch.tasks,
+        "lost_rows": dispatch.lost_rows,
+        "workers": report,
+        "expired": dispatch.expired,
+        "unfinished": dispatch.unfinished,
+    }
 
 
 def _contexts(contexts: Any) -> dict[str, Context | None]:

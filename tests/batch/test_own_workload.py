@@ -97,7 +97,13 @@ def test_a_function_without_contexts_runs_on_any_worker_and_resumes(inproc_clust
     first = dask_pcm.run_batch(plain, ROWS, **options)
     assert first.report["units"]["computed"] == 3
     again = dask_pcm.run_batch(plain, ROWS, **options)
-    assert again.report["units"] == {"total": 3, "computed": 0, "reused": 3, "failed": 0}
+    assert again.report["units"] == {
+        "total": 3,
+        "computed": 0,
+        "reused": 3,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert list(read_predictions(tmp_path / "out").sort_values("id")["double"]) == [
         2 * i for i in range(12)
     ]

@@ -71,7 +71,13 @@ def test_a_damaged_or_missing_segment_has_its_units_computed_again(
             part.write_bytes(b"" if damage == "zero-byte" else data[: len(data) // 2])
         with caplog.at_level(logging.WARNING, logger="dask_pcm"):
             again = dask_pcm.run_batch(double, ROWS, **options)
-    assert again.report["units"] == {"total": 6, "computed": lost, "reused": 6 - lost, "failed": 0}
+    assert again.report["units"] == {
+        "total": 6,
+        "computed": lost,
+        "reused": 6 - lost,
+        "failed": 0,
+        "unfinished": 0,
+    }
     warned = [r.getMessage() for r in caplog.records if part.name in r.getMessage()]
     assert warned and ("is missing" in warned[0]) == (damage == "missing")
     aside = list(out.glob(f".{part.name}.unreadable-*"))  # kept, out of the way
@@ -99,7 +105,13 @@ def test_a_resume_with_nothing_left_starts_no_cluster(client, tmp_path, monkeypa
     )
     _no_cluster(monkeypatch)
     again = dask_pcm.run_batch(double, ROWS, rows_per_unit=10, output=out, progress=False)
-    assert again.report["units"] == {"total": 6, "computed": 0, "reused": 6, "failed": 0}
+    assert again.report["units"] == {
+        "total": 6,
+        "computed": 0,
+        "reused": 6,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert again.report["workers"] == [] and again.report["tasks"] == 0
     assert again.to_pandas().equals(first.to_pandas())
 

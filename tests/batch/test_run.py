@@ -61,7 +61,13 @@ def test_rows_in_rows_out_keyed_by_id_with_groups_and_carried_columns(inproc_clu
     shout = rows[rows["variant"] == "shout"].set_index("id")
     assert (shout["tokens"] > plain["tokens"].reindex(shout.index)).all()
     assert list(plain["kind"]) == ["even" if i % 2 == 0 else "odd" for i in plain.index]
-    assert result.report["units"] == {"total": 12, "computed": 12, "reused": 0, "failed": 0}
+    assert result.report["units"] == {
+        "total": 12,
+        "computed": 12,
+        "reused": 0,
+        "failed": 0,
+        "unfinished": 0,
+    }
 
 
 # One worker ready, the other still loading: the first build returns at once, the later
@@ -137,7 +143,13 @@ def test_a_failing_unit_is_recorded_the_run_goes_on_and_a_rerun_retries_only_it(
     fixed["output"] = out2
     dask_pcm.run_batch(_lengths, ROWS, fail_on="row number 12", on_error="skip", **fixed)
     done = dask_pcm.run_batch(_lengths, ROWS, on_error="skip", **fixed)
-    assert done.report["units"] == {"total": 8, "computed": 1, "reused": 7, "failed": 0}
+    assert done.report["units"] == {
+        "total": 8,
+        "computed": 1,
+        "reused": 7,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert done.errors.empty and not (out2 / "_dask_pcm_errors.jsonl").read_text().strip()
     rows = read_predictions(out2)
     assert sorted(rows["id"]) == list(range(40))  # every row once

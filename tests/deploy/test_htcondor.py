@@ -64,7 +64,7 @@ def test_cli_runs_fever_on_htcondor_jobs(tmp_path, tiny_model_dir):
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())["report"]
-    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0}
+    assert report["units"] == {"total": 6, "computed": 6, "reused": 0, "failed": 0, "unfinished": 0}
 
 
 def test_condor_rm_warns_the_worker_which_hands_its_work_back(tmp_path, tiny_model_dir):

@@ -34,7 +34,13 @@ def test_every_claim_and_template_scored_once_and_summarised(client, tiny_model_
         group = pred[pred["template"] == row.template]
         assert row.accuracy == pytest.approx((group["predicted"] == group["label"]).mean())
     report = result.report
-    assert report["units"] == {"total": 12, "computed": 12, "reused": 0, "failed": 0}
+    assert report["units"] == {
+        "total": 12,
+        "computed": 12,
+        "reused": 0,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert sum(w["tasks"] for w in report["workers"]) == 12
     _loaded_once(report)
     # The context stays on a cluster the user passed in: a second run does not reload it.
@@ -91,7 +97,13 @@ def test_output_resumes_without_duplicates(client, tiny_model_dir, tmp_path):
         lost = len(read_footer(parts[0]).units)
         parts[0].unlink()  # as if the run had been killed before these units were written
         second = run_fever(progress=False, **options)
-    assert second.report["units"] == {"total": 8, "computed": lost, "reused": 8 - lost, "failed": 0}
+    assert second.report["units"] == {
+        "total": 8,
+        "computed": lost,
+        "reused": 8 - lost,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert sum(w["tasks"] for w in second.report["workers"]) == second.report["tasks"] <= lost
     assert len(second.predictions) == 60
     assert not second.predictions.duplicated(["claim_id", "template"]).any()

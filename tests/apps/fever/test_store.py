@@ -45,7 +45,13 @@ def test_rows_carry_the_model_digest_and_the_same_model_by_a_relative_path_resum
     assert set(first.predictions["model_digest"]) == {model_digest(dask_pcm.causal_lm(model))}
     monkeypatch.chdir(tmp_path)
     again = _run(client, "model", "preds.parquet")  # the same files, named another way
-    assert again.report["units"] == {"total": 6, "computed": 0, "reused": 6, "failed": 0}
+    assert again.report["units"] == {
+        "total": 6,
+        "computed": 0,
+        "reused": 6,
+        "failed": 0,
+        "unfinished": 0,
+    }
     assert len(again.predictions) == 60
 
 
