@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import click
 
-from dask_pcm.apps.openai_batch import run_requests
+from dask_pcm.apps.openai_batch import parse_window, read_status, run_requests
 from dask_pcm.cli.shared import (
     SCHEDULER,
     SCHEDULER_FILE,
@@ -25,19 +26,42 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
     "-i",
     "--input",
     "requests",
-    required=True,
     type=click.Path(exists=True, dir_okay=False),
     help="Requests as the OpenAI Batch API takes them: custom_id, method, url, body per line.",
 )
 @click.option(
     "-o",
     "--output",
-    required=True,
     type=click.Path(file_okay=False),
-    help="Folder for output.jsonl and errors.jsonl; running again resumes.",
+    help="Folder for output.jsonl, errors.jsonl and batch.json; running again resumes.",
+)
+@click.option(
+    "--status",
+    "status_of",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Print the Batch object (batch.json) of this output folder and exit.",
 )
 @click.option("--model", default=None, help="HF directory, .gguf file or hub id (default: "
               "embedded SmolLM2-135M-Instruct).")  # fmt: skip
+@click.option(
+    "--served-model-name",
+    default=None,
+    help="The model the responses name and requests must ask for (default: the model's "
+    "folder or file name).",
+)
+@click.option(
+    "--any-model",
+    is_flag=True,
+    help="Answer every request with the served model, whatever model it names (default: "
+    "a request for another model is a 404 model_not_found).",
+)
+@click.option(
+    "--completion-window",
+    default=None,
+    help="How long the run may take (24h, 90m, 3600s); requests not run by then end as "
+    "batch_expired, and running again answers them. Default: no limit.",
+)
 @click.option(
     "--errors",
     type=click.Choice(["raise", "skip"]),
@@ -70,9 +94,13 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
 )
 @click.option("--level", type=click.Choice(LEVELS), default=None, help="Context level.")
 def batch(
-    requests: str,
-    output: str,
+    requests: str | None,
+    output: str | None,
+    status_of: str | None,
     model: str | None,
+    served_model_name: str | None,
+    any_model: bool,
+    completion_window: str | None,
     errors: str,
     cluster: str,
     workers: int | None,
@@ -81,12 +109,26 @@ def batch(
     requests_per_unit: int,
     level: str | None,
 ) -> None:
-    """Answer an OpenAI Batch API file: chat completions, completions and embeddings.
+    """Answer an OpenAI Batch API file: chat completions, completions, responses and
+    embeddings.
 
     Writes OUTPUT/output.jsonl (answers) and OUTPUT/errors.jsonl (requests that failed),
-    in the Batch API's format and input order. Interrupted or killed, the same command
-    answers only what is missing.
+    in the Batch API's format and input order, and OUTPUT/batch.json (the Batch object:
+    status, counts, usage; --status OUTPUT prints it). Interrupted or killed, the same
+    command answers only what is missing.
     """
+    if status_of is not None:
+        try:
+            click.echo(json.dumps(read_status(status_of), indent=2))
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        return
+    if not requests or not output:
+        raise click.UsageError("give -i/--input and -o/--output (or --status DIR)")
+    try:
+        parse_window(completion_window)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--completion-window") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     kept = f"answered units are in {output}; run the same command again to resume"
     try:
@@ -95,8 +137,10 @@ def batch(
             scheduler_client(scheduler, scheduler_file, cluster, workers) as client,
         ):
             outcome = run_requests(
-                requests, output, model=model, cluster=client or cluster, workers=workers,
+                requests, output, model=model, served_model_name=served_model_name,
+                any_model=any_model, cluster=client or cluster, workers=workers,
                 errors=errors, requests_per_unit=requests_per_unit, level=level,
+                completion_window=completion_window,
             )  # fmt: skip
     except ClusterLostError as exc:
         raise click.ClickException(f"{exc}; {kept}") from exc
@@ -105,6 +149,12 @@ def batch(
     if outcome.skipped:
         click.echo(f"Skipped {outcome.skipped} line(s) that are no request:", err=True)
         echo_lines(outcome.problems, 5, "lines")
+    if outcome.status == "expired":
+        click.echo(
+            f"The completion window ({completion_window}) ended first: the requests not run "
+            "are batch_expired in the errors file; run the same command again to answer them.",
+            err=True,
+        )
     click.echo(
         f"{outcome.succeeded} succeeded, {outcome.failed} failed, {outcome.skipped} skipped "
         f"line(s); answers in {outcome.output}, errors in {outcome.errors}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from openai.types import Completion, CreateEmbeddingResponse
+from openai.types import Batch, Completion, CreateEmbeddingResponse, ErrorObject
 from openai.types.chat import ChatCompletion
 
 from dask_pcm import client as pcm
@@ -71,19 +71,21 @@ def test_a_mixed_file_is_answered_once_each_in_the_batch_apis_format(tiny_model_
     # for, a temperature out of range.
     long = {"model": "any", "prompt": "Long. " * 3000, "max_tokens": 2, "temperature": 0}
     requests.insert(5, {"custom_id": "long", "method": "POST", "url": COMPLETIONS, "body": long})
-    requests.append({"custom_id": "two", "method": "POST", "url": CHAT,
-                     "body": {"messages": [{"role": "user", "content": "Hi"}], "n": 2}})  # fmt: skip
+    requests.append({"custom_id": "tools", "method": "POST", "url": CHAT,
+                     "body": {"messages": [{"role": "user", "content": "Hi"}],
+                              "tools": [{"type": "function"}]}})  # fmt: skip
     requests.append({"custom_id": "hot", "method": "POST", "url": COMPLETIONS,
                      "body": {"prompt": "Hi", "temperature": 7}})  # fmt: skip
     path = write_requests(tmp_path / "requests.jsonl", requests, MALFORMED)
     out = tmp_path / "answers"
     args = ["batch", "-i", str(path), "-o", str(out), "--model", str(tiny_model_dir)]
-    args += ["--workers", "1", "--errors", "skip", "--requests-per-unit", "16"]
+    args += ["--workers", "1", "--errors", "skip", "--requests-per-unit", "16", "--any-model"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
 
     answers, errors = lines_of(out / "output.jsonl"), lines_of(out / "errors.jsonl")
-    refused = {r["custom_id"] for r in requests if r["url"] not in MODELS} | {"long", "two", "hot"}
+    refused = {r["custom_id"] for r in requests if r["url"] not in MODELS}
+    refused |= {"long", "tools", "hot"}
     assert [a["custom_id"] for a in answers] == [
         r["custom_id"] for r in requests if r["custom_id"] not in refused
     ]  # each once, in input order
@@ -114,16 +116,21 @@ def test_a_mixed_file_is_answered_once_each_in_the_batch_apis_format(tiny_model_
             usage = parsed.usage
             assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
             assert 0 <= usage.completion_tokens <= sent["body"]["max_tokens"]
-    codes = {e["custom_id"]: e["error"]["code"] for e in errors}
-    assert codes == {
-        **{r["custom_id"]: "unsupported_url" for r in requests if r["url"] not in MODELS},
-        "long": "context_length_exceeded",
-        "two": "unsupported_value",
-        "hot": "invalid_request",
+    # Request failures as OpenAI writes them: HTTP answers with an error body.
+    for e in errors:
+        assert e["error"] is None and e["response"]["status_code"] == 400
+        assert e["response"]["request_id"].startswith("req_")
+    bodies = {e["custom_id"]: ErrorObject.model_validate(e["response"]["body"]["error"])
+              for e in errors}  # fmt: skip
+    assert {i: (b.code, b.param) for i, b in bodies.items()} == {
+        **{r["custom_id"]: ("unsupported_url", None) for r in requests if r["url"] not in MODELS},
+        "long": ("context_length_exceeded", "prompt"),
+        "tools": ("unsupported_parameter", "tools"),
+        "hot": ("invalid_value", "temperature"),
     }
-    assert all(e["response"] is None and e["error"]["message"] for e in errors)
+    assert all(b.type == "invalid_request_error" and b.message for b in bodies.values())
     # The model as the user gave it, not the worker's copy in its scratch folder.
-    (too_long,) = [e["error"]["message"] for e in errors if e["custom_id"] == "long"]
+    too_long = bodies["long"].message
     assert f"cannot run on model {tiny_model_dir}" in too_long and "pcm-templates" not in too_long
 
     # A rerun finds every unit done: the same two files, written again, and no warning about
@@ -162,18 +169,29 @@ def one(url: str, body: dict, method: str = "POST") -> dict:
     ("line", "expected"),
     [
         (one(CHAT, {}, method="GET"), "unsupported_method"),
-        (one(COMPLETIONS, {"prompt": ["a", "b"]}), "invalid_request"),
-        (one(COMPLETIONS, {"prompt": "a", "logprobs": 3}), "unsupported_parameter"),
-        (one(CHAT, {"messages": [{"content": "no role"}]}), "invalid_request"),
-        (one(EMBEDDINGS, {"input": "a", "encoding_format": "base64"}), "unsupported_value"),
-        (one(COMPLETIONS, {"prompt": "a", "max_tokens": 0}), "invalid_request"),
+        (one(COMPLETIONS, {"prompt": [[1, 2], [3]]}), "unsupported_value"),
+        (one(COMPLETIONS, {"prompt": "a", "logprobs": 9}), "invalid_value"),
+        (one(CHAT, {"messages": [{"role": "user"}], "top_logprobs": 2}), "invalid_value"),
+        (one(CHAT, {"messages": [{"content": "no role"}]}), "invalid_value"),
+        (
+            one(CHAT, {"messages": [{"role": "user"}], "response_format": {"type": "xml"}}),
+            "invalid_value",
+        ),  # fmt: skip
+        (one(EMBEDDINGS, {"input": "a", "encoding_format": "int8"}), "invalid_value"),
+        (one(EMBEDDINGS, {"input": "a", "dimensions": 0}), "invalid_value"),
+        (one(COMPLETIONS, {"prompt": "a", "max_tokens": 0}), "invalid_value"),
+        (one("/v1/responses", {"input": [{"type": "function_call_output"}]}), "unsupported_value"),
+        (one(CHAT, {"model": "gpt-4o-mini", "messages": [{"role": "user"}]}), "model_not_found"),
     ],
 )
 def test_requests_that_cannot_run_here_are_request_errors(tmp_path, line, expected):
     path = tmp_path / "requests.jsonl"
     path.write_text(json.dumps(line) + "\n")
-    (item,) = read_requests(path).items
-    assert item.row is None and item.error[0] == expected
+    (item,) = read_requests(path, model="tiny").items
+    assert item.row is None and item.error.code == expected
+    assert item.error.status == (404 if expected == "model_not_found" else 400)
+    (answered,) = read_requests(path, model="tiny", any_model=True).items
+    assert (answered.error is None) == (expected == "model_not_found")
 
 
 def test_chat_parts_and_defaults_make_a_row(tmp_path):
@@ -184,12 +202,14 @@ def test_chat_parts_and_defaults_make_a_row(tmp_path):
     path.write_text("\ufeff" + json.dumps({"custom_id": "a", "method": "post", "url": CHAT,
                                            "body": body}) + "\n\n")  # fmt: skip
     (item,) = read_requests(path).items
+    params = json.loads(item.row.pop("params"))
     assert item.row == {
         "custom_id": "a",
         "endpoint": "chat",
         "messages": [{"role": "user", "content": "Hello there"}],
-        "params": {"max_tokens": 5, "temperature": 1.0, "top_p": 1.0, "seed": None, "stop": "."},
     }
+    assert params == {"max_tokens": 5, "temperature": 1.0, "top_p": 1.0, "seed": None,
+                      "stop": ".", "n": 1, "logprobs": None, "json_schema": None}  # fmt: skip
     path.write_text('{"custom_id": "b", "method": "POST", "url": 3, "body": {}}\n')
     with pytest.raises(BatchInputError, match=rf"{path}:1: request 'b': 'url' is missing"):
         read_requests(path)
@@ -200,7 +220,7 @@ def test_a_running_scheduler_keeps_the_model_between_runs(tiny_model_dir, tmp_pa
     with cluster_client(processes=True) as client:
         scheduler_file = tmp_path / "scheduler.json"
         client.write_scheduler_file(str(scheduler_file))
-        args = ["batch", "-i", str(requests), "--model", str(tiny_model_dir)]
+        args = ["batch", "-i", str(requests), "--model", str(tiny_model_dir), "--any-model"]
         for run, option in enumerate([["--scheduler-file", str(scheduler_file)],
                                       ["--scheduler", client.scheduler.address]]):  # fmt: skip
             result = CliRunner().invoke(main, [*args, *option, "-o", str(tmp_path / f"{run}")])
@@ -290,8 +310,10 @@ def test_the_requests_of_a_failed_unit_say_why_in_the_errors_file(tmp_path):
     result = BatchResult({}, None, [], [failure])
     out = tmp_path / "out"
     out.mkdir()
-    assert write_results(out, read, result, "tiny") == (0, 3)
-    errors = {e["custom_id"]: e["error"]["message"] for e in lines_of(out / "errors.jsonl")}
+    assert write_results(out, read, result, "tiny")[:2] == (0, 3)
+    lines = lines_of(out / "errors.jsonl")
+    assert {e["response"]["status_code"] for e in lines} == {500}
+    errors = {e["custom_id"]: e["response"]["body"]["error"]["message"] for e in lines}
     assert (
         errors["r0"]
         == errors["r1"]
