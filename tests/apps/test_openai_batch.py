@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from openai.types import Batch, Completion, CreateEmbeddingResponse, ErrorObject
+from openai.types import Completion, CreateEmbeddingResponse, ErrorObject
 from openai.types.chat import ChatCompletion
 
 from dask_pcm import client as pcm
@@ -176,7 +176,7 @@ def one(url: str, body: dict, method: str = "POST") -> dict:
         (
             one(CHAT, {"messages": [{"role": "user"}], "response_format": {"type": "xml"}}),
             "invalid_value",
-        ),  # fmt: skip
+        ),
         (one(EMBEDDINGS, {"input": "a", "encoding_format": "int8"}), "invalid_value"),
         (one(EMBEDDINGS, {"input": "a", "dimensions": 0}), "invalid_value"),
         (one(COMPLETIONS, {"prompt": "a", "max_tokens": 0}), "invalid_value"),
