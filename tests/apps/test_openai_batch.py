@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from openai.types import Completion, CreateEmbeddingResponse, ErrorObject
+from openai.types import Batch, Completion, CreateEmbeddingResponse, ErrorObject
 from openai.types.chat import ChatCompletion
 
 from dask_pcm import client as pcm
@@ -263,6 +263,10 @@ def test_a_run_killed_midway_then_run_again_answers_each_request_once(tiny_model
         kill_group(first.pid)  # its worker processes, orphaned
         assert 3 <= len(indexed_units(out)) < 40
         assert not (out / "output.jsonl").exists()
+        # The Batch object as the kill left it: in progress, part of the requests counted.
+        killed = Batch.model_validate_json((out / "batch.json").read_text())
+        assert killed.status == "in_progress" and killed.request_counts.total == 40
+        assert 0 < killed.request_counts.completed < 40 and killed.completed_at is None
 
         second = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -273,6 +277,10 @@ def test_a_run_killed_midway_then_run_again_answers_each_request_once(tiny_model
         for pid in groups:
             kill_group(pid)
     assert "40 succeeded, 0 failed, 0 skipped" in output
+    final = Batch.model_validate_json((out / "batch.json").read_text())
+    assert final.status == "completed" and final.id == killed.id
+    assert final.request_counts.model_dump() == {"total": 40, "completed": 40, "failed": 0}
+    assert final.usage.output_tokens == 40 * 24
     answers = lines_of(out / "output.jsonl")
     assert [a["custom_id"] for a in answers] == [r["custom_id"] for r in requests]
     assert (out / "errors.jsonl").read_text() == ""
