@@ -167,6 +167,28 @@ def read_predictions(
     return _read(_dataset(root), where, columns)
 
 
+def iter_predictions(
+    root: str | os.PathLike[str], columns: list[str] | None = None, rows: int = 65536
+) -> Iterator[pd.DataFrame]:
+    """The rows of :func:`read_predictions`, about ``rows`` at a time (a few segments'
+    worth in memory at once, whatever the folder holds)."""
+    import pandas as pd
+
+    dataset = _dataset(root)
+    if dataset is None:
+        return
+    present = None if columns is None else [c for c in columns if c in dataset.schema.names]
+    for batch in dataset.to_batches(columns=present, batch_size=rows):
+        frame = batch.to_pandas()
+        if columns is not None:
+            for name in columns:
+                if name not in frame:
+                    frame[name] = None
+            frame = frame[columns]
+        if len(frame):
+            yield pd.DataFrame(frame)
+
+
 def read_groups(
     root: str | os.PathLike[str],
     column: str,

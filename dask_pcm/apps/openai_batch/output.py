@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import struct
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -31,6 +32,7 @@ from dask_pcm.apps.openai_batch.input import Refusal, Request, Requests
 from dask_pcm.apps.openai_batch.task import COLUMNS as TASK_COLUMNS
 from dask_pcm.batch.files import LOCK, atomic_file
 from dask_pcm.batch.run import BatchResult
+from dask_pcm.batch.segments import iter_predictions
 from dask_pcm.exceptions import OutputFolderError
 
 OUTPUT, ERRORS = "output.jsonl", "errors.jsonl"
@@ -206,8 +208,12 @@ def write_results(
 
     ``not_run``: the top-level error ``(code, message)`` of requests the run did not answer
     (``batch_expired``, ``batch_cancelled``); default: a 500 ``server_error`` saying to run
-    again."""
-    rows = {r.custom_id: r for r in result.to_pandas(COLUMNS).itertuples(index=False)}
+    again.
+
+    The folder's rows are read a batch at a time, in the order they were written (by
+    prefix, not by input), and their lines spooled to a hidden file; the files are then
+    written in input order from the spool: the answers are never all in memory.
+    """
     failed = {  # custom_id -> why its unit failed
         custom_id: f"{e.type}: {e.message} (run the same command again to retry)"
         for e in result.errors.itertuples(index=False)
@@ -221,22 +227,50 @@ def write_results(
     counts = [0, 0]
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     try:
-        with (
-            atomic_file(root, root / OUTPUT, "w") as answers,
-            atomic_file(root, root / ERRORS, "w") as problems,
-        ):
-            for request in read.items:
-                line = _line(request, rows.get(request.custom_id), model, failed, not_run)
-                good = line["response"] is not None and line["response"]["status_code"] == 200
-                counts[not good] += 1
-                if good:
-                    row = rows[request.custom_id]
-                    for name in usage:
-                        usage[name] += int(getattr(row, name))
-                (answers if good else problems).write(json.dumps(line) + "\n")
+        with atomic_file(root, root / f"{OUTPUT}.spool") as spool:
+            # Where each request's line is in the spool (-1: none), and whether it is good.
+            where, good = array("q", [-1]) * len(read.items), bytearray(len(read.items))
+            position = {r.custom_id: i for i, r in enumerate(read.items)}
+            for frame in iter_predictions(root, COLUMNS):
+                for row in frame.itertuples(index=False):
+                    i = position.get(row.custom_id)
+                    if i is None:
+                        continue
+                    line = _line(read.items[i], row, model, failed, not_run)
+                    where[i], good[i] = spool.tell(), _good(line)
+                    spool.write(json.dumps(line).encode() + b"\n")
+                    if good[i]:
+                        for name in usage:
+                            usage[name] += int(getattr(row, name))
+            spool.flush()
+            with (
+                open(spool.name, "rb") as lines,
+                atomic_file(root, root / OUTPUT, "w") as answers,
+                atomic_file(root, root / ERRORS, "w") as problems,
+            ):
+                for i, request in enumerate(read.items):
+                    if where[i] >= 0:
+                        lines.seek(where[i])
+                        text, ok = lines.readline().decode(), bool(good[i])
+                    else:
+                        line = _line(request, None, model, failed, not_run)
+                        text, ok = json.dumps(line) + "\n", _good(line)
+                    counts[not ok] += 1
+                    (answers if ok else problems).write(text)
+            raise _Discard
+    except _Discard:
+        pass  # the spool is not kept: atomic_file removes it
     finally:
         locks.unlock(lock)
     return Written(counts[0], counts[1], usage)
+
+
+class _Discard(Exception):
+    """Leaves :func:`atomic_file` without keeping the file (the spool)."""
+
+
+def _good(line: dict[str, Any]) -> bool:
+    return line["response"] is not None and line["response"]["status_code"] == 200
 
 
 def _line(
