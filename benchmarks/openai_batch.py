@@ -1,0 +1,255 @@
+"""OpenAI Batch files on dask_pcm: shared prefixes found across a file, a 200,000-request file.
+
+Two sections, each on the timing protocol (``_protocol``: rounds in random order, median and
+95 % interval, stamped JSON):
+
+1. **Prefixes found.** A file of chat requests (default 512) where 9 in 10 share one long
+   system prompt (at least 300 tokens) and the tenth has one of its own, mixed in at random
+   as a real file has them; 8 greedy tokens each. Two variants on resident clusters of
+   ``--workers`` workers (the model loaded before the timing): ``found`` (the default:
+   requests ordered by prefix, each unit's groups keep their prefixes) and ``none``
+   (workers that keep no prefix, ``pcm.worker.prefix-cache: 0``: every prompt runs whole,
+   which is what a unit mixing one odd request did before). Requests per second of each,
+   their ratio paired by round, and whether the greedy texts are identical.
+2. **A big file.** ``--big`` requests (default 200,000) of a few words each on a tiny random
+   Llama (``dask_pcm.build_tiny_llama``: the cost is the harness's, not the model's),
+   answered by ``dask-pcm batch``'s ``run_requests`` on a local cluster: the client's peak
+   resident memory (sampled every 50 ms) and the steady rate (requests per second from the
+   first counted answer in ``batch.json`` to the end), against the same requests answered
+   by the same task in one process (a sample of ``--one-process`` requests, in the same
+   units).
+
+Run from the repository root::
+
+    python benchmarks/openai_batch.py --json benchmarks/openai-batch-YYYY-MM-DD.json
+    python benchmarks/openai_batch.py --quick        # 128 requests, 20,000 big, 1 round
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dask
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _harness as h
+import _protocol as P
+
+import dask_pcm
+from dask_pcm.apps.openai_batch import (
+    answer,
+    prefix_order,
+    read_requests,
+    run_requests,
+)
+
+CHAT = "/v1/chat/completions"
+SYSTEM = (
+    "You are a careful fact checker working for a research group that studies how claims "
+    "spread. For every claim you receive, decide whether the evidence you know of supports "
+    "it, refutes it, or is not enough to say. Read the claim twice. Consider who or what it "
+    "is about, when it is said to have happened, and whether the numbers, names and places "
+    "in it are the ones you know. Do not guess: where you do not know, say that there is "
+    "not enough information. Be brief: answer with one of the three labels first, then at "
+    "most one sentence of reason. Never repeat the claim. Never add greetings or apologies. "
+    "Treat dates and quantities with care, since a claim that is right about a person but "
+    "wrong about a year is refuted, not supported. A claim about a fictional work is judged "
+    "against the work itself. A claim that mixes two people is refuted. A claim that is "
+    "vague is not enough information unless every reading of it is supported or refuted. "
+    "Titles of films, books and albums are judged by their release, not by their making. "
+    "Awards count only when they were given, not when a person was nominated for them. "
+    "Places are judged by the borders of the time the claim speaks of. Organisations are "
+    "judged by what they did, not by what they said they would do. Always be consistent."
+)
+SUBJECTS = ["Marie Curie", "the Eiffel Tower", "Mount Everest", "the Nile", "Alan Turing",
+            "the Great Wall", "Ada Lovelace", "the Amazon", "Isaac Newton", "the Moon"]  # fmt: skip
+
+
+def prefix_file(path: Path, n: int, seed: int = 0) -> Path:
+    """``n`` chat requests, 9 in 10 with :data:`SYSTEM`, the tenth with its own, shuffled."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        claim = f"{SUBJECTS[i % len(SUBJECTS)]} is mentioned in claim number {i}."
+        system = SYSTEM if i % 10 else f"You judge claims. Claim set {i}: answer in one word."
+        body = {"model": "any", "temperature": 0, "max_tokens": 8,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": claim}]}  # fmt: skip
+        lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": CHAT,
+                                 "body": body}))  # fmt: skip
+    rng.shuffle(lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def big_file(path: Path, n: int) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            body = {"model": "any", "temperature": 0, "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"Say {i}"}]}  # fmt: skip
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": CHAT,
+                                "body": body}) + "\n")  # fmt: skip
+    return path
+
+
+def texts_of(folder: Path) -> dict[str, str]:
+    out = {}
+    for line in (folder / "output.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["custom_id"]] = record["response"]["body"]["choices"][0]["message"]["content"]
+    return out
+
+
+@contextlib.contextmanager
+def resident(model: str, workers: int, keep_prefixes: bool) -> Iterator[Any]:
+    """A local cluster whose workers hold the model (loaded by a warm-up request)."""
+    settings = {} if keep_prefixes else {"pcm.worker.prefix-cache": 0}
+    with dask.config.set(settings), h.warm_cluster(model, workers) as client:
+        yield client
+
+
+def section_prefix(args: Any, model: str, reps: int, tmp: Path) -> dict[str, Any]:
+    n = args.requests or (128 if args.quick else 512)
+    path = prefix_file(tmp / "prefix.jsonl", n, args.seed)
+    tokens = len(dask_pcm.CausalLM(device="cpu")(model).tokenizer(SYSTEM)["input_ids"])
+    rows: list[dict[str, Any]] = []
+    texts: dict[str, dict[str, str]] = {}
+    with resident(model, args.workers, True) as found, resident(model, args.workers, False) as none:
+        clients = {"found": found, "none": none}
+        for name, client in clients.items():  # the model loaded before any timing
+            run_requests(path, tmp / f"warm-{name}", model=model, cluster=client,
+                         any_model=True, progress=False)  # fmt: skip
+        for r, variant in P.schedule(list(clients), reps, args.seed):
+            out = tmp / f"{variant}-{r}"
+            start = time.perf_counter()
+            outcome = run_requests(path, out, model=model, cluster=clients[variant],
+                                   any_model=True, progress=False)  # fmt: skip
+            seconds = time.perf_counter() - start
+            usage = json.loads((out / "batch.json").read_text())["usage"]
+            texts[f"{variant}-{r}"] = texts_of(out)
+            rows.append({"section": "prefix", "variant": variant, "round": r, "requests": n,
+                         "seconds": seconds, "requests_per_second": n / seconds,
+                         "succeeded": outcome.succeeded,
+                         "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+                         "input_tokens": usage["input_tokens"]})  # fmt: skip
+            print(f"  round {r} {variant:5s}: {seconds:6.1f} s, {n / seconds:5.1f} requests/s, "
+                  f"{rows[-1]['cached_tokens']} cached tokens", flush=True)  # fmt: skip
+    rates = P.by_variant(rows, "variant", "requests_per_second")
+    first = next(iter(texts.values()))
+    return {
+        "rows": rows,
+        "requests": n,
+        "system_prompt_tokens": tokens,
+        "found": P.interval(rates["found"]),
+        "none": P.interval(rates["none"]),
+        "ratio": P.ratio_interval(rates["found"], rates["none"]),
+        "identical_greedy_text": all(t == first for t in texts.values()),
+        "target": 3.0,
+    }
+
+
+def section_big(args: Any, tmp: Path) -> dict[str, Any]:
+    n = args.big or (20_000 if args.quick else 200_000)
+    model = str(dask_pcm.build_tiny_llama(tmp / "tiny"))
+    path = big_file(tmp / "big.jsonl", n)
+    peak, stop = [0], threading.Event()
+
+    def sample() -> None:
+        me = psutil.Process()
+        while not stop.is_set():
+            peak[0] = max(peak[0], me.memory_info().rss)
+            time.sleep(0.05)
+
+    counted: list[tuple[float, int]] = []
+    out = tmp / "big"
+
+    def poll() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                status = json.loads((out / "batch.json").read_text())
+                counted.append((time.perf_counter(), status["request_counts"]["completed"]))
+            time.sleep(0.5)
+
+    threads = [threading.Thread(target=sample), threading.Thread(target=poll)]
+    for t in threads:
+        t.start()
+    start = time.perf_counter()
+    try:
+        with dask.config.set({"pcm.batch.flush-interval": "1s"}):
+            outcome = run_requests(path, out, model=model, workers=args.workers,
+                                   any_model=True, progress=False)  # fmt: skip
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    end = time.perf_counter()
+    first = next((t for t, done in counted if done > 0), start)
+    done_then = next((d for t, d in counted if d > 0), 0)
+    steady = (outcome.succeeded - done_then) / (end - first)
+    # The same task over the same units in one process, on a sample of the requests.
+    sample_n = min(n, args.one_process)
+    read = read_requests(big_file(tmp / "sample.jsonl", sample_n))
+    rows = prefix_order([r.row for r in read.items if r.row is not None])
+    lm = dask_pcm.CausalLM(device="cpu")(model)
+    answer(rows[:16], context=lm)  # warm-up
+    began = time.perf_counter()
+    for i in range(0, len(rows), 16):
+        answer(rows[i : i + 16], context=lm)
+    alone = sample_n / (time.perf_counter() - began)
+    return {
+        "requests": n,
+        "succeeded": outcome.succeeded,
+        "wall_seconds": end - start,
+        "client_peak_rss_mb": peak[0] / 2**20,
+        "steady_requests_per_second": steady,
+        "one_process_requests_per_second": alone,
+        "rate_ratio": steady / alone,
+        "targets": {"client_peak_rss_mb": 600, "rate_ratio": 0.9},
+    }
+
+
+def main() -> None:
+    p = h.parser(__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, help="requests of the prefix file (512; --quick 128)")
+    p.add_argument("--big", type=int, help="requests of the big file (200,000; --quick 20,000)")
+    p.add_argument("--one-process", type=int, default=20_000,
+                   help="requests answered in one process for the rate's reference")  # fmt: skip
+    p.add_argument("--sections", default="prefix,big", help="prefix, big or both (default)")
+    args = p.parse_args()
+    reps = P.repetitions(args.quick, args.repetitions)
+    sections = set(args.sections.split(","))
+    summary: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="openai-batch-bench-") as folder:
+        tmp = Path(folder)
+        if "prefix" in sections:
+            model = h.model_path(args)
+            print(f"prefix: model {model}, {args.workers} workers, {reps} rounds", flush=True)
+            prefix = section_prefix(args, model, reps, tmp)
+            rows += prefix.pop("rows")
+            summary["prefix"] = prefix
+            print(f"prefix: found/none {P.format_interval(prefix['ratio'])} (target 3), "
+                  f"identical text {prefix['identical_greedy_text']}", flush=True)  # fmt: skip
+        if "big" in sections:
+            big = section_big(args, tmp)
+            summary["big"] = big
+            print(f"big: {big['requests']} requests, client peak {big['client_peak_rss_mb']:.0f}"
+                  f" MB (target 600), steady {big['steady_requests_per_second']:.0f}/s, one "
+                  f"process {big['one_process_requests_per_second']:.0f}/s, ratio "
+                  f"{big['rate_ratio']:.2f} (target 0.9)", flush=True)  # fmt: skip
+    P.write_json(args.json, rows, reps=reps, summary=summary, workers=args.workers)
+
+
+if __name__ == "__main__":
+    main()
