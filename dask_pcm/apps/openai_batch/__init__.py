@@ -240,16 +240,24 @@ _COUNTED = ["error_code", "prompt_tokens", "completion_tokens", "cached_tokens"]
 
 
 def _counted(table: Any, record: dict[str, Any] | None = None) -> tuple[int, int, dict[str, int]]:
-    """Requests answered and failed in ``table`` (rows of the output, Arrow or pandas), or in
-    a failed unit's ``record``, and their tokens."""
+    """Requests answered and failed in ``table`` (rows of the output: an Arrow table, or a
+    pandas frame of earlier runs' rows), or in a failed unit's ``record``, and their tokens."""
     if table is None:
         failed = len(record.get("ids") or []) if record else 0
         return 0, failed, {}
-    frame = table if hasattr(table, "iloc") else table.to_pandas()
-    if len(frame) == 0:
+    if hasattr(table, "iloc"):  # pandas
+        import pyarrow as pa
+
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    import pyarrow.compute as pc
+
+    names = set(table.column_names)
+    if table.num_rows == 0:
         return 0, 0, {}
-    bad = frame["error_code"].notna() if "error_code" in frame else frame.index != frame.index
-    if "error" in frame:
-        bad = bad | frame["error"].notna()
-    tokens = {c: int(frame[c].fillna(0).sum()) for c in _COUNTED[1:] if c in frame}
-    return int((~bad).sum()), int(bad.sum()), tokens
+    good = pc.is_null(table["error_code"]) if "error_code" in names else None
+    if "error" in names:
+        no_error = pc.is_null(table["error"])
+        good = no_error if good is None else pc.and_(good, no_error)
+    answered = table.num_rows if good is None else int(pc.sum(good).as_py() or 0)
+    tokens = {c: int(pc.sum(table[c]).as_py() or 0) for c in _COUNTED[1:] if c in names}
+    return answered, table.num_rows - answered, tokens
