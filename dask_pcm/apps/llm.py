@@ -23,6 +23,7 @@ from typing import Any
 
 from dask_pcm.engine.constraint import constrained, json_matchers
 from dask_pcm.engine.generation import (
+    Pick,
     Step,
     completion,
     continuation_logprobs,
@@ -136,24 +137,15 @@ def generate(
         eos = eos_ids(lm.model, lm.tokenizer)
         found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
         draws = [_sample_of(row, i, sample) for i, row in enumerate(rows)]
-        choose: Any = lambda index: greedy  # noqa: E731
+        seeds = None
         if temperature > 0:
             base = secrets.randbits(63) if seed is None else seed
-            gens = [
-                torch.Generator().manual_seed(_row_seed(base, t, n))
-                for t, n in zip(texts, draws, strict=True)
-            ]
-            choose = lambda index: sampler([gens[i] for i in index], temperature, top_p)  # noqa: E731
+            seeds = [_row_seed(base, t, n) for t, n in zip(texts, draws, strict=True)]
+        matchers = None
         if json_schema is not None:
             matchers = json_matchers(lm.tokenizer, eos, json_schema, len(ids))
-            choose = _around(
-                choose, lambda index, p: constrained(p, [matchers[i] for i in index], eos)
-            )
         steps: list[list[Step]] = [[] for _ in ids]
-        if logprobs is not None:
-            choose = _around(
-                choose, lambda index, p: recording(p, logprobs, [steps[i] for i in index])
-            )
+        choose = _chooser(seeds, (temperature, top_p), matchers, eos, logprobs, steps)
         generated, cached = _decoded(lm, ids, max_tokens, eos, found, choose)
         results = []
         for tokens, row_ids, row_steps in zip(generated, ids, steps, strict=True):
@@ -397,10 +389,37 @@ def _in_passes(
     return out
 
 
-def _around(choose: Any, wrap: Any) -> Any:
-    """``choose`` (row indices of a pass to their Pick) with each Pick wrapped by
-    ``wrap(index, pick)``."""
-    return lambda index: wrap(index, choose(index))
+def _chooser(
+    seeds: list[int] | None,
+    sampling: tuple[float, float],
+    matchers: list[Any] | None,
+    eos: set[int],
+    logprobs: int | None,
+    steps: list[list[Step]],
+) -> Any:
+    """``choose(row indices of a pass)``: the pass's Pick. Greedy, or drawn from generators
+    seeded by ``seeds`` at ``sampling`` (temperature, top_p); among the tokens ``matchers``
+    allow, where given; its log-probabilities recorded in ``steps`` where ``logprobs`` asks.
+    Each pass starts its rows' generators, matchers and steps from their start: a pass that
+    ran out of memory runs again, smaller, from its first token."""
+    import torch
+
+    def choose(index: list[int]) -> Any:
+        pick: Pick = greedy
+        if seeds is not None:
+            gens = [torch.Generator().manual_seed(seeds[i]) for i in index]
+            pick = sampler(gens, *sampling)
+        if matchers is not None:
+            for i in index:
+                matchers[i].reset()
+            pick = constrained(pick, [matchers[i] for i in index], eos)
+        if logprobs is not None:
+            for i in index:
+                steps[i].clear()
+            pick = recording(pick, logprobs, [steps[i] for i in index])
+        return pick
+
+    return choose
 
 
 def _decoded(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -431,3 +432,39 @@ def test_samples_of_one_prompt_draw_their_own_texts_reproducibly(lm):
     assert len({r["text"] for r in greedy}) == 1
     with pytest.raises(ValueError, match="row 1: column 'sample' holds no sample number"):
         texts([rows[0], {"prompt": "Water", "sample": "two"}], seed=5)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 1.0, "seed": 9}], ids=["greedy", "sampled"]
+)
+def test_a_pass_run_again_after_running_out_of_memory_starts_its_rows_again(
+    monkeypatch, tiny_model_dir, options
+):
+    import transformers
+
+    lm = dask_pcm.CausalLM(device="cpu", batch_size=4)(str(tiny_model_dir))
+    rows = rows_of(PROMPTS)
+    run = dict(context=lm, max_tokens=40, json_schema=SCHEMA, logprobs=1, **options)
+    expected = llm.generate(rows, **run)
+    real = transformers.LlamaForCausalLM.forward
+    steps = []
+
+    @functools.wraps(real)  # its signature: the cache's argument name is read from it
+    def forward(self, input_ids=None, **kwargs):
+        steps.append(input_ids.shape)
+        # Out of memory five tokens into a pass of four rows: matchers, recorded steps
+        # and generators have moved on by then.
+        if input_ids.shape[0] > 2 and len(steps) == 6:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", forward)
+    again = llm.generate(rows, **run)
+    assert lm.batch_size == 2
+    # The same tokens; their log-probabilities as in passes of two rows, within rounding.
+    for one, other in zip(again, expected, strict=True):
+        assert {**one, "logprobs": None} == {**other, "logprobs": None}
+        assert [e["bytes"] for e in one["logprobs"]] == [e["bytes"] for e in other["logprobs"]]
+        assert [e["logprob"] for e in one["logprobs"]] == pytest.approx(
+            [e["logprob"] for e in other["logprobs"]], abs=1e-5
+        )
