@@ -110,8 +110,9 @@ def generate(
         ``prompt_tokens``, ``completion_tokens`` (generated until it stopped; a character
         the limit cut in half is counted, but left out of ``text``) and ``cached_tokens``
         (its prompt's leading tokens whose states came from the kept prefix: those the
-        unit's prompts share, where the model keeps prefixes; 0 where none). With ``logprobs``: ``logprobs``, one dict per token of the text
-        (the end-of-sequence token left out) as OpenAI's chat completions give them:
+        unit's prompts share, where the model keeps prefixes; 0 where none). With
+        ``logprobs``: ``logprobs``, one dict per token counted in ``completion_tokens``
+        but a final end-of-sequence token, as OpenAI's chat completions give them:
         ``token``, ``logprob``, ``bytes`` (the UTF-8 bytes it holds) and ``top_logprobs``
         (``k`` such dicts, most likely first).
 
@@ -124,7 +125,9 @@ def generate(
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= 20):
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20
+    ):
         raise ValueError(f"logprobs must be None or an int from 0 to 20, got {logprobs!r}")
     stops = [s for s in ([stop] if isinstance(stop, str) else stop or ()) if s]
     lm = _model(context)

@@ -351,7 +351,7 @@ def test_under_greedy_the_token_is_the_most_likely_and_k_zero_gives_no_alternati
         assert held.decode(errors="replace") in (result["text"], result["text"] + "\ufffd")
     zero = llm.generate(rows_of(PROMPTS[:1]), context=lm, max_tokens=4, logprobs=0)[0]
     assert [e["top_logprobs"] for e in zero["logprobs"]] == [[]] * 4
-    for wrong in (-1, 21, 2.5):
+    for wrong in (-1, 21, 2.5, True):
         with pytest.raises(ValueError, match="logprobs"):
             llm.generate(rows_of(PROMPTS[:1]), context=lm, logprobs=wrong)
 
