@@ -15,18 +15,25 @@ the batch layer records the unit's error.
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 import secrets
 from collections.abc import Sequence
 from typing import Any
 
+from dask_pcm.engine.constraint import constrained, json_matchers
 from dask_pcm.engine.generation import (
+    Pick,
+    Step,
     completion,
     continuation_logprobs,
     continuation_start,
     decode,
     eos_ids,
     greedy,
+    logprob_entries,
     mean_hidden,
+    recording,
     sampler,
     stop_position,
 )
@@ -48,6 +55,9 @@ def generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
+    logprobs: int | None = None,
+    json_schema: dict[str, Any] | None = None,
+    sample: str = "sample",
 ) -> list[dict[str, Any]]:
     """Continue each row's prompt (or chat).
 
@@ -55,9 +65,11 @@ def generate(
     tokens the unit's prompts all start with run once and are kept, where the model keeps
     prefixes (``prefix_cache``). At ``temperature == 0`` decoding is greedy. Otherwise each
     row's tokens are drawn from its own generator, seeded by ``seed`` and the row's prompt
-    text: the same text whatever unit or pass the row lands in, prefix kept or not (its
-    logits change by float rounding only, which moves no draw but one within rounding of
-    the boundary between two tokens).
+    text (and its sample number): the same text whatever unit or pass the row lands in,
+    prefix kept or not (its logits change by float rounding only, which moves no draw but
+    one within rounding of the boundary between two tokens). With ``json_schema`` every
+    token is picked among those the schema's grammar allows next
+    (:mod:`dask_pcm.engine.constraint`), and a row ends once its JSON is complete.
 
     Parameters
     ----------
@@ -78,23 +90,45 @@ def generate(
         Seed of the sampling; ``None``: a fresh one per call.
     stop
         A string or strings: the text ends before the first one found.
+    logprobs
+        ``None``: none. An int ``k`` from 0 to 20: each row's result has ``logprobs``, the
+        log-probability of each token generated and of the ``k`` most likely ones at its
+        step, from the model's logits before temperature, nucleus or schema.
+    json_schema
+        A JSON Schema that every text is to be valid against (``{"type": "object"}``: any
+        JSON object); JSON is written without whitespace unless the schema's
+        ``"x-guidance"`` options allow it. ValueError where it cannot be compiled.
+    sample
+        A column holding a row's sample number (an int; several draws of one prompt): when
+        present, it goes into the row's seed, so that each sample draws its own text.
 
     Returns
     -------
     list of dict
         Per row: ``text``, ``finish_reason`` (``"stop"``: a stop string or the end-of-sequence
-        token ended it; ``"length"``: ``max_tokens`` did), ``prompt_tokens`` and
-        ``completion_tokens`` (generated until it stopped).
+        token ended it, or its JSON was complete; ``"length"``: ``max_tokens`` did),
+        ``prompt_tokens``, ``completion_tokens`` (generated until it stopped; a character
+        the limit cut in half is counted, but left out of ``text``) and ``cached_tokens``
+        (its prompt's leading tokens whose states came from the kept prefix: those the
+        unit's prompts share, where the model keeps prefixes; 0 where none). With
+        ``logprobs``: ``logprobs``, one dict per token counted in ``completion_tokens``
+        but a final end-of-sequence token, as OpenAI's chat completions give them:
+        ``token``, ``logprob``, ``bytes`` (the UTF-8 bytes it holds) and ``top_logprobs``
+        (``k`` such dicts, most likely first).
 
     Example
     -------
     >>> generate([{"prompt": "The capital of France is"}], max_tokens=4, stop=".")  # doctest: +SKIP
-    [{'text': ' Paris', 'finish_reason': 'stop', 'prompt_tokens': 6, 'completion_tokens': 2}]
+    [{'text': ' Paris', 'finish_reason': 'stop', 'prompt_tokens': 6, 'completion_tokens': 2, 'cached_tokens': 0}]
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    if logprobs is not None and (
+        isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20
+    ):
+        raise ValueError(f"logprobs must be None or an int from 0 to 20, got {logprobs!r}")
     stops = [s for s in ([stop] if isinstance(stop, str) else stop or ()) if s]
     lm = _model(context)
     texts, chats = _prompts(lm, rows, prompt, messages)
@@ -105,16 +139,27 @@ def generate(
         _check(lm, [len(seq) for seq in ids], "generate", max_tokens)
         eos = eos_ids(lm.model, lm.tokenizer)
         found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
-        choose: Any = lambda index: greedy  # noqa: E731
+        draws = [_sample_of(row, i, sample) for i, row in enumerate(rows)]
+        seeds = None
         if temperature > 0:
             base = secrets.randbits(63) if seed is None else seed
-            gens = [torch.Generator().manual_seed(_row_seed(base, t)) for t in texts]
-            choose = lambda index: sampler([gens[i] for i in index], temperature, top_p)  # noqa: E731
-        generated = _decoded(lm, ids, max_tokens, eos, found, choose)
-        return [
-            completion(lm.tokenizer, tokens, eos, stops, len(row_ids))
-            for tokens, row_ids in zip(generated, ids, strict=True)
-        ]
+            seeds = [_row_seed(base, t, n) for t, n in zip(texts, draws, strict=True)]
+        matchers = None
+        if json_schema is not None:
+            matchers = json_matchers(lm.tokenizer, eos, json_schema, len(ids))
+        steps: list[list[Step]] = [[] for _ in ids]
+        choose = _chooser(seeds, (temperature, top_p), matchers, eos, logprobs, steps)
+        generated, cached = _decoded(lm, ids, max_tokens, eos, found, choose)
+        results = []
+        for tokens, row_ids, row_steps in zip(generated, ids, steps, strict=True):
+            result = completion(lm.tokenizer, tokens, eos, stops, len(row_ids))
+            result["cached_tokens"] = cached
+            if logprobs is not None:
+                counted = tokens[: result["completion_tokens"]]
+                kept = len(counted) - bool(counted and counted[-1] in eos)
+                result["logprobs"] = logprob_entries(lm.tokenizer, row_steps[:kept])
+            results.append(result)
+        return results
 
 
 def score_choices(
@@ -347,6 +392,39 @@ def _in_passes(
     return out
 
 
+def _chooser(
+    seeds: list[int] | None,
+    sampling: tuple[float, float],
+    matchers: list[Any] | None,
+    eos: set[int],
+    logprobs: int | None,
+    steps: list[list[Step]],
+) -> Any:
+    """``choose(row indices of a pass)``: the pass's Pick. Greedy, or drawn from generators
+    seeded by ``seeds`` at ``sampling`` (temperature, top_p); among the tokens ``matchers``
+    allow, where given; its log-probabilities recorded in ``steps`` where ``logprobs`` asks.
+    Each pass starts its rows' generators, matchers and steps from their start: a pass that
+    ran out of memory runs again, smaller, from its first token."""
+    import torch
+
+    def choose(index: list[int]) -> Any:
+        pick: Pick = greedy
+        if seeds is not None:
+            gens = [torch.Generator().manual_seed(seeds[i]) for i in index]
+            pick = sampler(gens, *sampling)
+        if matchers is not None:
+            for i in index:
+                matchers[i].reset()
+            pick = constrained(pick, [matchers[i] for i in index], eos)
+        if logprobs is not None:
+            for i in index:
+                steps[i].clear()
+            pick = recording(pick, logprobs, [steps[i] for i in index])
+        return pick
+
+    return choose
+
+
 def _decoded(
     lm: LanguageModel,
     ids: list[list[int]],
@@ -354,10 +432,11 @@ def _decoded(
     eos: set[int],
     stopped: Any,
     choose: Any,
-) -> list[list[int]]:
-    """Each row's generated tokens, picked by ``choose(row indices of a pass)``; after the
-    tokens the rows share, kept, where there are two rows or more (one prompt alone would
-    only fill the cache)."""
+) -> tuple[list[list[int]], int]:
+    """Each row's generated tokens, picked by ``choose(row indices of a pass)``, and how
+    many leading prompt tokens they all ran after from kept states: the tokens the rows
+    share, kept where there are two rows or more (one prompt alone would only fill the
+    cache)."""
     shared, states = kept_prefix(lm, ids, ids[0]) if len(ids) > 1 else (0, None)
     pad = int(lm.tokenizer.pad_token_id)
 
@@ -369,7 +448,8 @@ def _decoded(
         )  # fmt: skip
         return list(zip(index, tokens, strict=True))
 
-    return _in_passes(lm, [seq[shared:] for seq in ids], run, "generate", max_tokens, shared)
+    rest = [seq[shared:] for seq in ids]
+    return _in_passes(lm, rest, run, "generate", max_tokens, shared), shared
 
 
 def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) -> list[float]:
@@ -400,7 +480,19 @@ def _choices_of(row: dict[str, Any], i: int, choices: str | Sequence[str]) -> li
     return options
 
 
-def _row_seed(seed: int, text: str) -> int:
-    """A row's sampling seed: from ``seed`` and its prompt text, not from where it runs."""
-    digest = hashlib.sha256(f"{seed}\0{text}".encode()).digest()
+def _sample_of(row: dict[str, Any], i: int, column: str) -> int | None:
+    """A row's sample number: ``None`` where the column is missing or empty (None, NaN)."""
+    value = row.get(column)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"row {i}: column {column!r} holds no sample number (got {value!r:.80})")
+    return int(value)
+
+
+def _row_seed(seed: int, text: str, sample: int | None = None) -> int:
+    """A row's sampling seed: from ``seed``, its prompt text and its sample number (where it
+    has one), not from where it runs."""
+    key = f"{seed}\0{text}" if sample is None else f"{seed}\0{text}\0{sample}"
+    digest = hashlib.sha256(key.encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

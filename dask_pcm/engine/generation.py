@@ -9,9 +9,11 @@ continuations, hidden states.
   same cached tokens); each step's token per row chosen by :func:`greedy` or by a
   :func:`sampler`, which draws each row's tokens from its own ``torch.Generator``
   (temperature and nucleus ``top_p``), so that what a row gets depends on its seed and its
-  logits alone, never on the draws of the rows around it.
+  logits alone, never on the draws of the rows around it; :func:`recording` keeps each
+  step's log-probabilities (:func:`logprob_entries`: their OpenAI form).
 - :func:`completion`: a generated row's result: its text cut at the end-of-sequence token or
-  the first stop string, why it ended, its token counts.
+  the first stop string (and before a character the token limit cut in half), why it
+  ended, its token counts.
 - :func:`continuation_start`: where a continuation's tokens begin when tokenized with its
   prompt (the prompt's last token may merge with the continuation's first).
 - :func:`continuation_logprobs`: the summed log-probability of each row's tokens from a given
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dask_pcm.engine.prefix import States, cache_argument, forward, left_padded, to_device
+from dask_pcm.engine.tokens import token_bytes, whole_characters
 
 #: Chooses each row's next token from its logits (``[rows, vocab]``, float32, CPU).
 Pick = Callable[[Any], list[int]]
@@ -86,6 +89,58 @@ def sampler(generators: Sequence[Any], temperature: float, top_p: float) -> Pick
         ]
 
     return pick
+
+
+#: One step of a row, as :func:`recording` keeps it: the token picked, its log-probability,
+#: and the most likely tokens' ids and log-probabilities, most likely first.
+Step = tuple[int, float, list[int], list[float]]
+
+
+def recording(pick: Pick, top: int, steps: Sequence[list[Step]]) -> Pick:
+    """A :data:`Pick` that picks as ``pick`` does and appends to ``steps[i]`` row ``i``'s
+    :data:`Step`, with its ``top`` most likely tokens: log-probabilities of the logits as
+    the model gave them (``log_softmax``, before a temperature, a nucleus or a mask changes
+    what is drawn from), float32.
+
+    :func:`decode` picks for every row at every step, finished rows included, so row
+    ``i``'s ``j``-th token is its ``j``-th step's: its first ``len(tokens)`` steps are its
+    own.
+    """
+    import torch
+
+    def pick_recorded(logits: Any) -> list[int]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = pick(logits)
+        picked = logprobs[torch.arange(len(chosen)), torch.tensor(chosen)].tolist()
+        values, ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+        for row, token, logprob, top_ids, top_values in zip(
+            steps, chosen, picked, ids.tolist(), values.tolist(), strict=True
+        ):
+            row.append((token, logprob, top_ids, top_values))
+        return chosen
+
+    return pick_recorded
+
+
+def logprob_entries(tokenizer: Any, steps: Sequence[Step]) -> list[dict[str, Any]]:
+    """The OpenAI form of a row's ``steps``: per token ``token`` (its text), ``logprob``,
+    ``bytes`` (the UTF-8 bytes it holds, :func:`~dask_pcm.engine.tokens.token_bytes`: half
+    a character's where it holds half of one) and ``top_logprobs``, a list of such dicts
+    (without their own ``top_logprobs``), most likely first."""
+    ids = sorted({t for token, _, top, _ in steps for t in (token, *top)})
+    texts = {t: tokenizer.decode([t]) for t in ids}
+    raw = dict(zip(ids, token_bytes(tokenizer, ids), strict=True))
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"token": texts[token], "logprob": logprob, "bytes": list(raw[token])}
+
+    return [
+        {
+            **entry(token, logprob),
+            "top_logprobs": [entry(*t) for t in zip(top, values, strict=True)],
+        }
+        for token, logprob, top, values in steps
+    ]
 
 
 def decode(
@@ -168,12 +223,27 @@ def completion(
     """One row's result from its generated ``tokens``: ``text`` cut at the end-of-sequence
     token, then before the first stop string; ``finish_reason`` ``"stop"`` where either ended
     it, else ``"length"``; ``prompt_tokens``; ``completion_tokens``, those generated until it
-    ended (the end-of-sequence token, or the one that completed the stop string, included)."""
+    ended (the end-of-sequence token, or the one that completed the stop string, included).
+    A text that the token limit cut in the middle of a multi-byte character ends before it
+    (:func:`~dask_pcm.engine.tokens.whole_characters`); a U+FFFD the tokens hold whole stays.
+
+    Example
+    -------
+    >>> tokens = tokenizer("Paris 🍕", add_special_tokens=False)["input_ids"]  # doctest: +SKIP
+    >>> completion(tokenizer, tokens[:-1], {2}, [], 3)["text"]  # doctest: +SKIP
+    'Paris '
+    """
     reason = "length"
     end = next((k for k, t in enumerate(tokens) if t in eos), None)
     if end is not None:
         tokens, reason = tokens[: end + 1], "stop"
     text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if reason == "length" and text.endswith("\ufffd"):
+        # Cut in the middle of a character: its first bytes stay out of the text (as a
+        # streaming detokenizer holds them back), still counted as generated.
+        whole = whole_characters(token_bytes(tokenizer, tokens))
+        if whole < len(tokens):
+            text = tokenizer.decode(tokens[:whole], skip_special_tokens=True)
     at = stop_position(tokenizer, tokens, stops) if stops else -1
     if at >= 0:
         text, reason = text[:at], "stop"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -79,9 +80,12 @@ def test_generation_keeps_the_prompts_shared_start_and_gives_the_same_text(lm, o
         kept = llm.generate(rows, context=lm, max_tokens=10, **options)
     finally:
         hook.remove()
+    head_tokens = len(lm.tokenizer(head)["input_ids"])
+    assert {r.pop("cached_tokens") for r in whole} == {0}
+    cached = {r.pop("cached_tokens") for r in kept}
+    assert len(cached) == 1 and head_tokens - 2 <= cached.pop() <= head_tokens
     assert kept == whole
     assert len(lm.prefix_cache) == 1  # the shared start, computed once and kept
-    head_tokens = len(lm.tokenizer(head)["input_ids"])
     longest = max(count_tokens(lm, [r["prompt"] for r in rows]))
     assert widths[0] >= head_tokens - 2  # the prefix's own pass, then the rest only
     assert max(widths[1:]) <= longest - head_tokens + 2
@@ -257,3 +261,210 @@ def test_the_tasks_run_on_a_worker_against_the_registered_context(
     assert vectors[0]["embedding"] == pytest.approx(
         llm.embed([{"text": "Water"}], context=lm)[0]["embedding"], abs=1e-5
     )
+
+
+# logprobs, json_schema, sample and cached_tokens.
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+
+
+def token_ids_by_bytes(lm):
+    """Each token's id by its bytes (unique in the tiny byte-level vocabulary)."""
+    from dask_pcm.engine.tokens import token_bytes
+
+    vocab = range(len(lm.tokenizer))
+    by_bytes = {bytes(b): i for i, b in zip(vocab, token_bytes(lm.tokenizer, vocab), strict=True)}
+    assert len(by_bytes) == len(lm.tokenizer)
+    return by_bytes
+
+
+def check_logprobs(lm, prompt, result, k):
+    """The result's logprobs are those of one plain forward pass over prompt + tokens."""
+    by_bytes = token_ids_by_bytes(lm)
+    entries = result["logprobs"]
+    tokens = [by_bytes[bytes(e["bytes"])] for e in entries]
+    eos = result["finish_reason"] == "stop" and result["completion_tokens"] == len(tokens) + 1
+    assert result["completion_tokens"] == len(tokens) + eos
+    start = lm.tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([start + tokens])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[len(start) - 1 :]
+    for j, (entry, token) in enumerate(zip(entries, tokens, strict=True)):
+        assert entry["token"] == lm.tokenizer.decode([token])
+        assert entry["logprob"] == pytest.approx(float(expected[j, token]), abs=1e-4)
+        top = entry["top_logprobs"]
+        assert len(top) == k
+        values = [t["logprob"] for t in top]
+        assert values == sorted(values, reverse=True)
+        reference = expected[j].topk(k).values.tolist()
+        assert values == pytest.approx(reference, abs=1e-4)
+        for t in top:
+            assert t["logprob"] == pytest.approx(
+                float(expected[j, by_bytes[bytes(t["bytes"])]]), abs=1e-4
+            )
+            assert t["token"] == lm.tokenizer.decode([by_bytes[bytes(t["bytes"])]])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"temperature": 1.5, "seed": 7}, {"json_schema": SCHEMA, "temperature": 1.0, "seed": 2}],
+    ids=["greedy", "sampled", "json"],
+)
+def test_logprobs_are_those_of_a_plain_forward_pass_batched_alone_or_after_a_kept_prefix(
+    lm, options
+):
+    head = "You answer questions about places and people in a few words. " * 2
+    for prompts in (PROMPTS, [head + p for p in PROMPTS]):
+        lm.prefix_cache.clear()
+        batched = llm.generate(rows_of(prompts), context=lm, max_tokens=12, logprobs=3, **options)
+        assert (batched[0]["cached_tokens"] > 0) == (prompts[0].startswith(head))
+        alone = [
+            llm.generate(rows_of([p]), context=lm, max_tokens=12, logprobs=3, **options)[0]
+            for p in prompts
+        ]
+        for prompt, one, together in zip(prompts, alone, batched, strict=True):
+            assert one["text"] == together["text"]
+            check_logprobs(lm, prompt, one, 3)
+            check_logprobs(lm, prompt, together, 3)
+    # Without logprobs, the same results but for the key.
+    plain = llm.generate(rows_of(prompts), context=lm, max_tokens=12, **options)
+    assert [{k: v for k, v in r.items() if k != "logprobs"} for r in batched] == plain
+
+
+def test_under_greedy_the_token_is_the_most_likely_and_k_zero_gives_no_alternatives(lm):
+    out = llm.generate(rows_of(PROMPTS), context=lm, max_tokens=6, logprobs=2)
+    for result in out:
+        assert len(result["logprobs"]) == 6
+        for entry in result["logprobs"]:
+            assert entry["logprob"] == entry["top_logprobs"][0]["logprob"]
+        # The tokens' bytes hold the text, and at most a character cut in half after it.
+        held = b"".join(bytes(e["bytes"]) for e in result["logprobs"])
+        assert held.decode(errors="replace") in (result["text"], result["text"] + "\ufffd")
+    zero = llm.generate(rows_of(PROMPTS[:1]), context=lm, max_tokens=4, logprobs=0)[0]
+    assert [e["top_logprobs"] for e in zero["logprobs"]] == [[]] * 4
+    for wrong in (-1, 21, 2.5, True):
+        with pytest.raises(ValueError, match="logprobs"):
+            llm.generate(rows_of(PROMPTS[:1]), context=lm, logprobs=wrong)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 1.0, "seed": 4}], ids=["greedy", "sampled"]
+)
+def test_json_schema_answers_are_valid_json(lm, options):
+    import json
+
+    import jsonschema
+
+    rows = rows_of(PROMPTS * 2)
+    out = llm.generate(rows, context=lm, max_tokens=200, json_schema=SCHEMA, **options)
+    assert {r["finish_reason"] for r in out} == {"stop"}
+    for result in out:
+        jsonschema.validate(json.loads(result["text"]), SCHEMA)
+        assert result["completion_tokens"] < 200
+    # A row that ended does not upset the others: batched as alone.
+    alone = [
+        llm.generate([row], context=lm, max_tokens=200, json_schema=SCHEMA, **options)[0]
+        for row in rows[:4]
+    ]
+    assert [r["text"] for r in alone] == [r["text"] for r in out[:4]]
+    # Cut short: JSON unfinished, "length".
+    short = llm.generate(rows, context=lm, max_tokens=5, json_schema=SCHEMA, **options)
+    assert {r["finish_reason"] for r in short} == {"length"}
+    assert all(r["text"].startswith('{"') for r in short)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 1.0, "seed": 1}], ids=["greedy", "sampled"]
+)
+def test_json_object_mode_gives_json_objects(lm, options):
+    import json
+
+    out = llm.generate(
+        rows_of(PROMPTS), context=lm, max_tokens=100, json_schema={"type": "object"}, **options
+    )
+    assert all(r["text"].startswith("{") for r in out)
+    finished = [json.loads(r["text"]) for r in out if r["finish_reason"] == "stop"]
+    assert finished and all(isinstance(x, dict) for x in finished)
+
+
+def test_a_schema_llguidance_cannot_compile_raises_value_error(lm):
+    for schema, problem in [
+        ({"type": "foo"}, "foo"),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+        ({"type": "object", "default": object()}, "not JSON"),
+    ]:
+        with pytest.raises(ValueError, match=f"(?s)json_schema .*{problem}"):
+            llm.generate(rows_of(PROMPTS[:1]), context=lm, json_schema=schema)
+
+
+def test_samples_of_one_prompt_draw_their_own_texts_reproducibly(lm):
+    import hashlib
+
+    rows = [{"prompt": PROMPTS[0], "sample": n} for n in range(4)]
+
+    def texts(rows, **options):
+        out = llm.generate(rows, context=lm, max_tokens=10, temperature=1.0, **options)
+        return [r["text"] for r in out]
+
+    drawn = texts(rows, seed=5)
+    assert len(set(drawn)) == 4
+    assert texts(rows[::-1], seed=5) == drawn[::-1]
+    assert texts(rows, seed=6) != drawn
+    # Without a sample number (no column, None, NaN): the seed as before the column.
+    plain = texts(rows_of(PROMPTS[:1]), seed=5)
+    assert texts([{"prompt": PROMPTS[0], "sample": None}], seed=5) == plain
+    assert texts([{"prompt": PROMPTS[0], "sample": float("nan")}], seed=5) == plain
+    digest = hashlib.sha256(f"5\0{PROMPTS[0]}".encode()).digest()
+    assert llm._row_seed(5, PROMPTS[0]) == int.from_bytes(digest[:8], "little") >> 1
+    # Another column by name; greedy samples are all the greedy text.
+    renamed = [{"prompt": PROMPTS[0], "n": n} for n in range(4)]
+    assert texts(renamed, seed=5, sample="n") == drawn
+    greedy = llm.generate(rows, context=lm, max_tokens=10)
+    assert len({r["text"] for r in greedy}) == 1
+    with pytest.raises(ValueError, match="row 1: column 'sample' holds no sample number"):
+        texts([rows[0], {"prompt": "Water", "sample": "two"}], seed=5)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 1.0, "seed": 9}], ids=["greedy", "sampled"]
+)
+def test_a_pass_run_again_after_running_out_of_memory_starts_its_rows_again(
+    monkeypatch, tiny_model_dir, options
+):
+    import transformers
+
+    lm = dask_pcm.CausalLM(device="cpu", batch_size=4)(str(tiny_model_dir))
+    rows = rows_of(PROMPTS)
+    run = dict(context=lm, max_tokens=40, json_schema=SCHEMA, logprobs=1, **options)
+    expected = llm.generate(rows, **run)
+    real = transformers.LlamaForCausalLM.forward
+    steps = []
+
+    @functools.wraps(real)  # its signature: the cache's argument name is read from it
+    def forward(self, input_ids=None, **kwargs):
+        steps.append(input_ids.shape)
+        # Out of memory five tokens into a pass of four rows: matchers, recorded steps
+        # and generators have moved on by then.
+        if input_ids.shape[0] > 2 and len(steps) == 6:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", forward)
+    again = llm.generate(rows, **run)
+    assert lm.batch_size == 2
+    # The same tokens; their log-probabilities as in passes of two rows, within rounding.
+    for one, other in zip(again, expected, strict=True):
+        assert {**one, "logprobs": None} == {**other, "logprobs": None}
+        assert [e["bytes"] for e in one["logprobs"]] == [e["bytes"] for e in other["logprobs"]]
+        assert [e["logprob"] for e in one["logprobs"]] == pytest.approx(
+            [e["logprob"] for e in other["logprobs"]], abs=1e-5
+        )
