@@ -28,7 +28,7 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
         "label": {"enum": ["SUPPORTS", "REFUTES", "NOT ENOUGH INFO"]},
     },
     "required": ["name", "age", "label"],
@@ -196,9 +196,9 @@ def test_json_answers_parse_and_follow_their_schemas(inproc_cluster, tiny_model_
             temperature=0 if i % 2 else 1.0, seed=i)
         for i in range(6)
     ] + [
-        req("object", CHAT, messages=chat("Any"), max_tokens=120,
+        req("object", CHAT, messages=chat("Any"), max_tokens=120, temperature=0,
             response_format={"type": "json_object"}),
-        req("responses", RESPONSES, input="Who?", max_output_tokens=120,
+        req("responses", RESPONSES, input="Who?", max_output_tokens=120, temperature=0,
             text={"format": {"type": "json_schema", "name": "p", "schema": SCHEMA,
                              "strict": True}}),
     ]  # fmt: skip

@@ -122,12 +122,8 @@ def _generate(
             for k in range(n):
                 draws.append({**given, "sample": k} if n > 1 else given)
                 owner.append((r, p, k))
-    if params.get("logprobs") is None:
-        params.pop("logprobs", None)
-    if json_schema is not None:
-        params["json_schema"] = json_schema
     try:
-        results = llm.generate(draws, context=context, **params)
+        results = llm.generate(draws, context=context, json_schema=json_schema, **params)
     except ValueError as exc:
         if json_schema is not None and not isinstance(exc, PromptTooLongError):
             exc.param = "response_format"  # type: ignore[attr-defined]
