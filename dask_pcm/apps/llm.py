@@ -38,7 +38,7 @@ from dask_pcm.engine.generation import (
     stop_position,
 )
 from dask_pcm.engine.model import LanguageModel, prompt_problem
-from dask_pcm.engine.passes import in_passes, kept_prefix
+from dask_pcm.engine.passes import in_passes, kept_prefix, prefix_groups
 from dask_pcm.engine.prefix import packable
 from dask_pcm.exceptions import PromptTooLongError
 from dask_pcm.tasks import get_context
@@ -151,9 +151,11 @@ def generate(
         choose = _chooser(seeds, (temperature, top_p), matchers, eos, logprobs, steps)
         generated, cached = _decoded(lm, ids, max_tokens, eos, found, choose)
         results = []
-        for tokens, row_ids, row_steps in zip(generated, ids, steps, strict=True):
+        for tokens, row_ids, row_steps, cached_tokens in zip(
+            generated, ids, steps, cached, strict=True
+        ):
             result = completion(lm.tokenizer, tokens, eos, stops, len(row_ids))
-            result["cached_tokens"] = cached
+            result["cached_tokens"] = cached_tokens
             if logprobs is not None:
                 counted = tokens[: result["completion_tokens"]]
                 kept = len(counted) - bool(counted and counted[-1] in eos)
@@ -432,43 +434,68 @@ def _decoded(
     eos: set[int],
     stopped: Any,
     choose: Any,
-) -> tuple[list[list[int]], int]:
+) -> tuple[list[list[int]], list[int]]:
     """Each row's generated tokens, picked by ``choose(row indices of a pass)``, and how
-    many leading prompt tokens they all ran after from kept states: the tokens the rows
-    share, kept where there are two rows or more (one prompt alone would only fill the
+    many of its leading prompt tokens it ran after from kept states: per group of rows
+    that begin alike (:func:`~dask_pcm.engine.passes.prefix_groups`), the tokens the group
+    shares, kept where it has two rows or more (one prompt alone would only fill the
     cache)."""
-    shared, states = kept_prefix(lm, ids, ids[0]) if len(ids) > 1 else (0, None)
     pad = int(lm.tokenizer.pad_token_id)
+    generated: list[list[int]] = [[] for _ in ids]
+    cached = [0] * len(ids)
+    for group in prefix_groups(ids) if lm.prefix_cache is not None else [list(range(len(ids)))]:
+        mine = [ids[i] for i in group]
+        shared, states = kept_prefix(lm, mine, mine[0]) if len(mine) > 1 else (0, None)
 
-    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-        index = [i for i, _ in chunk]
-        tokens = decode(
-            lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens, eos=eos,
-            pick=choose(index), prefix=states, prefix_len=shared, stopped=stopped,
-        )  # fmt: skip
-        return list(zip(index, tokens, strict=True))
+        def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+            index = [group[i] for i, _ in chunk]  # noqa: B023 (run is called in this loop)
+            tokens = decode(
+                lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens,
+                eos=eos, pick=choose(index), prefix=states, prefix_len=shared,  # noqa: B023
+                stopped=stopped,
+            )  # fmt: skip
+            return list(zip([i for i, _ in chunk], tokens, strict=True))
 
-    rest = [seq[shared:] for seq in ids]
-    return _in_passes(lm, rest, run, "generate", max_tokens, shared), shared
+        rest = [seq[shared:] for seq in mine]
+        for i, tokens in zip(group, _in_passes(lm, rest, run, "generate", max_tokens, shared),
+                             strict=True):  # fmt: skip
+            generated[i], cached[i] = tokens, shared
+    return generated, cached
 
 
 def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) -> list[float]:
-    """The summed log-probability of each sequence's tokens from its start on."""
+    """The summed log-probability of each sequence's tokens from its start on; per group of
+    sequences that begin alike (:func:`~dask_pcm.engine.passes.prefix_groups`), after the
+    tokens the group shares, kept."""
     if not seqs:
         return []
-    # At most up to the token before the earliest choice: its logits are needed.
-    shared, states = kept_prefix(lm, seqs, seqs[0][: min(starts) - 1])
     pad = int(lm.tokenizer.pad_token_id)
-    rest = [seq[shared:] for seq in seqs]
+    sums = [0.0] * len(seqs)
+    for group in prefix_groups(seqs) if lm.prefix_cache is not None else [list(range(len(seqs)))]:
+        mine, firsts = [seqs[i] for i in group], [starts[i] for i in group]
+        # At most up to the token before the earliest choice: its logits are needed.
+        shared, states = kept_prefix(lm, mine, mine[0][: min(firsts) - 1])
 
-    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, float]]:
-        rows = [seq for _, seq in chunk]
-        firsts = [starts[i] - shared for i, _ in chunk]
-        sums = continuation_logprobs(lm.model, rows, firsts, pad, lm.device, states, shared)
-        return list(zip([i for i, _ in chunk], sums, strict=True))
+        def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, float]]:
+            rows = [seq for _, seq in chunk]
+            begin = [firsts[i] - shared for i, _ in chunk]  # noqa: B023
+            found = continuation_logprobs(
+                lm.model,
+                rows,
+                begin,
+                pad,
+                lm.device,
+                states,
+                shared,  # noqa: B023
+            )
+            return list(zip([i for i, _ in chunk], found, strict=True))
 
-    packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
-    return _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
+        packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
+        rest = [seq[shared:] for seq in mine]
+        parts = _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
+        for i, value in zip(group, parts, strict=True):
+            sums[i] = value
+    return sums
 
 
 def _choices_of(row: dict[str, Any], i: int, choices: str | Sequence[str]) -> list[str]:

@@ -2,6 +2,8 @@
 
 - :func:`by_length`: prompts tokenized, their kept prefix found (:func:`kept_prefix`), the
   rest run shortest first, the results back in the prompts' order;
+- :func:`prefix_groups`: the rows of a unit in groups that begin alike, each to run after
+  prefix states of its own (one odd prompt costs the others nothing);
 - :func:`in_passes`: items in passes that fit the device: at most ``batch_size`` rows, fewer
   where the memory budget does not hold them (:func:`rows_for`); rows after a kept prefix
   packed (:func:`~dask_pcm.engine.prefix.pack`), a pass then holding as many packed
@@ -13,6 +15,7 @@ Every function takes the model's lock (``lm.lock``, reentrant) while it works.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +32,56 @@ from dask_pcm.engine.prefix import PACK_TOKENS, States, pack, packable
 # The functions take a dask_pcm.engine.model.LanguageModel, which calls them (so its type is
 # not imported here, not even for type checking: the package's modules import in one direction).
 LanguageModel = Any
+
+
+#: Leading tokens that rows must share to run as a group of their own after kept states:
+#: below it, another group's extra passes cost more than the tokens its prefix saves.
+GROUP_TOKENS = 32
+
+
+def prefix_groups(ids: Sequence[Sequence[int]], least: int = GROUP_TOKENS) -> list[list[int]]:
+    """Indices of ``ids`` in groups: rows that share at least ``least`` leading tokens with
+    another row go together (the longest shared runs: consecutive rows in sorted order),
+    and the rows that share that much with none form one more group; each group's indices
+    ascending. One group of all rows when they all share ``least`` tokens, or none do.
+
+    Example
+    -------
+    >>> prefix_groups([[1, 2, 3, 9], [5, 6], [1, 2, 3, 8], [7]], least=3)
+    [[0, 2], [1, 3]]
+    """
+    if len(ids) < 2:
+        return [list(range(len(ids)))]
+    order = sorted(range(len(ids)), key=lambda i: list(ids[i]))
+    groups: list[list[int]] = []
+    rest: list[int] = []
+    run = [order[0]]
+    for before, i in itertools.pairwise(order):
+        if _common(ids[before], ids[i]) >= least:
+            run.append(i)
+            continue
+        _close(run, groups, rest)
+        run = [i]
+    _close(run, groups, rest)
+    if rest:
+        groups.append(rest)
+    return sorted(sorted(g) for g in groups)
+
+
+def _close(run: list[int], groups: list[list[int]], rest: list[int]) -> None:
+    if len(run) > 1:
+        groups.append(run)
+    else:
+        rest.extend(run)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def kept_prefix(

@@ -91,6 +91,35 @@ def test_generation_keeps_the_prompts_shared_start_and_gives_the_same_text(lm, o
     assert max(widths[1:]) <= longest - head_tokens + 2
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"temperature": 1.5, "seed": 7}], ids=["greedy", "sampled"]
+)
+def test_each_group_of_rows_that_begin_alike_keeps_its_own_prefix(lm, options):
+    """One odd prompt in a unit costs the others nothing: rows that share a long start run
+    after its kept states, the odd one alone; texts and scores as without any kept prefix."""
+    heads = ["You answer questions about places and people in a few words. " * 3,
+             "Reply with one short phrase; never explain the answer you give. " * 3]  # fmt: skip
+    prompts = [heads[i % 2] + PROMPTS[i % 4] + f" {i}" for i in range(9)] + ["Odd one out:"]
+    rows = rows_of(prompts)
+    whole = llm.generate(rows, context=replace(lm, prefix_cache=None), max_tokens=6, **options)
+    lm.prefix_cache.clear()
+    kept = llm.generate(rows, context=lm, max_tokens=6, **options)
+    cached = [r.pop("cached_tokens") for r in kept]
+    for r in whole:
+        r.pop("cached_tokens")
+    assert kept == whole
+    for i, n in enumerate(cached[:9]):  # each row the tokens of its own group's start
+        assert len(lm.tokenizer(heads[i % 2])["input_ids"]) - 2 <= n
+    assert cached[9] == 0
+    assert len(lm.prefix_cache) == 2
+    choices = [" yes", " no", " maybe"]
+    plain = llm.score_choices(rows, context=replace(lm, prefix_cache=None), choices=choices)
+    grouped = llm.score_choices(rows, context=lm, choices=choices)
+    for a, b in zip(plain, grouped, strict=True):
+        assert a["best_index"] == b["best_index"]
+        assert a["scores"] == pytest.approx(b["scores"], abs=1e-4)
+
+
 def test_a_tiny_nucleus_samples_the_greedy_tokens(lm):
     greedy = llm.generate(rows_of(PROMPTS), context=lm, max_tokens=8)
     nucleus = llm.generate(
