@@ -214,5 +214,6 @@ def test_a_run_killed_half_way_resumes_with_every_row_once(tmp_path):
         "computed": 300 - persisted,
         "reused": persisted,
         "failed": 0,
+        "unfinished": 0,
     }
     _every_row_once(out, 600)
