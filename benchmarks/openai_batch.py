@@ -5,12 +5,14 @@ Two sections, each on the timing protocol (``_protocol``: rounds in random order
 
 1. **Prefixes found.** A file of chat requests (default 512) where 9 in 10 share one long
    system prompt (at least 300 tokens) and the tenth has one of its own, mixed in at random
-   as a real file has them; 8 greedy tokens each. Two variants on resident clusters of
+   as a real file has them; 8 greedy tokens each. Three variants on resident clusters of
    ``--workers`` workers (the model loaded before the timing): ``found`` (the default:
    requests ordered by prefix, each unit's groups keep their prefixes) and ``none``
    (workers that keep no prefix, ``pcm.worker.prefix-cache: 0``: every prompt runs whole,
-   which is what a unit mixing one odd request did before). Requests per second of each,
-   their ratio paired by round, and whether the greedy texts are identical.
+   which is what a unit mixing one odd request did before), and ``shared``: the same
+   requests with every system prompt the long one, on the ``found`` cluster (how close
+   the mixed file comes to the best case). Requests per second of each, their ratios
+   paired by round, and whether the greedy texts of ``found`` and ``none`` are identical.
 2. **A big file.** ``--big`` requests (default 200,000) of a few words each on a tiny random
    Llama (``dask_pcm.build_tiny_llama``: the cost is the harness's, not the model's),
    answered by ``dask-pcm batch`` on a local cluster: the client process's peak resident
@@ -79,13 +81,14 @@ SUBJECTS = ["Marie Curie", "the Eiffel Tower", "Mount Everest", "the Nile", "Ala
             "the Great Wall", "Ada Lovelace", "the Amazon", "Isaac Newton", "the Moon"]  # fmt: skip
 
 
-def prefix_file(path: Path, n: int, seed: int = 0) -> Path:
-    """``n`` chat requests, 9 in 10 with :data:`SYSTEM`, the tenth with its own, shuffled."""
+def prefix_file(path: Path, n: int, seed: int = 0, odd: bool = True) -> Path:
+    """``n`` chat requests, 9 in 10 with :data:`SYSTEM`, the tenth with its own (every one
+    with :data:`SYSTEM` unless ``odd``), shuffled."""
     rng = random.Random(seed)
     lines = []
     for i in range(n):
         claim = f"{SUBJECTS[i % len(SUBJECTS)]} is mentioned in claim number {i}."
-        system = SYSTEM if i % 10 else f"You judge claims. Claim set {i}: answer in one word."
+        system = SYSTEM if i % 10 or not odd else f"You judge claims. Claim set {i}: be brief."
         body = {"model": "any", "temperature": 0, "max_tokens": 8,
                 "messages": [{"role": "system", "content": system},
                              {"role": "user", "content": claim}]}  # fmt: skip
@@ -124,23 +127,27 @@ def resident(model: str, workers: int, keep_prefixes: bool) -> Iterator[Any]:
 
 def section_prefix(args: Any, model: str, reps: int, tmp: Path) -> dict[str, Any]:
     n = args.requests or (128 if args.quick else 512)
-    path = prefix_file(tmp / "prefix.jsonl", n, args.seed)
+    files = {"found": prefix_file(tmp / "prefix.jsonl", n, args.seed)}
+    files["none"] = files["found"]
+    files["shared"] = prefix_file(tmp / "shared.jsonl", n, args.seed, odd=False)
+    path = files["found"]
     tokens = len(dask_pcm.CausalLM(device="cpu")(model).tokenizer(SYSTEM)["input_ids"])
     rows: list[dict[str, Any]] = []
     texts: dict[str, dict[str, str]] = {}
     with resident(model, args.workers, True) as found, resident(model, args.workers, False) as none:
-        clients = {"found": found, "none": none}
-        for name, client in clients.items():  # the model loaded before any timing
+        clients = {"found": found, "none": none, "shared": found}
+        for name, client in {"found": found, "none": none}.items():  # loaded before timing
             run_requests(path, tmp / f"warm-{name}", model=model, cluster=client,
                          any_model=True, progress=False)  # fmt: skip
         for r, variant in P.schedule(list(clients), reps, args.seed):
             out = tmp / f"{variant}-{r}"
             start = time.perf_counter()
-            outcome = run_requests(path, out, model=model, cluster=clients[variant],
+            outcome = run_requests(files[variant], out, model=model, cluster=clients[variant],
                                    any_model=True, progress=False)  # fmt: skip
             seconds = time.perf_counter() - start
             usage = json.loads((out / "batch.json").read_text())["usage"]
-            texts[f"{variant}-{r}"] = texts_of(out)
+            if variant != "shared":  # another file
+                texts[f"{variant}-{r}"] = texts_of(out)
             rows.append({"section": "prefix", "variant": variant, "round": r, "requests": n,
                          "seconds": seconds, "requests_per_second": n / seconds,
                          "succeeded": outcome.succeeded,
@@ -156,9 +163,12 @@ def section_prefix(args: Any, model: str, reps: int, tmp: Path) -> dict[str, Any
         "system_prompt_tokens": tokens,
         "found": P.interval(rates["found"]),
         "none": P.interval(rates["none"]),
+        "shared": P.interval(rates["shared"]),
         "ratio": P.ratio_interval(rates["found"], rates["none"]),
+        "shared_over_found": P.ratio_interval(rates["shared"], rates["found"]),
         "identical_greedy_text": all(t == first for t in texts.values()),
         "target": 3.0,
+        "target_shared_over_found": 1.3,
     }
 
 
@@ -238,7 +248,8 @@ def main() -> None:
             rows += prefix.pop("rows")
             summary["prefix"] = prefix
             print(f"prefix: found/none {P.format_interval(prefix['ratio'])} (target 3), "
-                  f"identical text {prefix['identical_greedy_text']}", flush=True)  # fmt: skip
+                  f"shared/found {P.format_interval(prefix['shared_over_found'])} (target "
+                  f"1.3), identical text {prefix['identical_greedy_text']}", flush=True)  # fmt: skip
         if "big" in sections:
             big = section_big(args, tmp)
             summary["big"] = big
