@@ -130,14 +130,14 @@ def section_prefix(args: Any, model: str, reps: int, tmp: Path) -> dict[str, Any
     files = {"found": prefix_file(tmp / "prefix.jsonl", n, args.seed)}
     files["none"] = files["found"]
     files["shared"] = prefix_file(tmp / "shared.jsonl", n, args.seed, odd=False)
-    path = files["found"]
     tokens = len(dask_pcm.CausalLM(device="cpu")(model).tokenizer(SYSTEM)["input_ids"])
     rows: list[dict[str, Any]] = []
     texts: dict[str, dict[str, str]] = {}
     with resident(model, args.workers, True) as found, resident(model, args.workers, False) as none:
         clients = {"found": found, "none": none, "shared": found}
+        warm = prefix_file(tmp / "warm.jsonl", 16, args.seed + 1)
         for name, client in {"found": found, "none": none}.items():  # loaded before timing
-            run_requests(path, tmp / f"warm-{name}", model=model, cluster=client,
+            run_requests(warm, tmp / f"warm-{name}", model=model, cluster=client,
                          any_model=True, progress=False)  # fmt: skip
         for r, variant in P.schedule(list(clients), reps, args.seed):
             out = tmp / f"{variant}-{r}"
