@@ -13,6 +13,7 @@ import dask_pcm
 from dask_pcm.apps import llm
 from dask_pcm.engine.generation import completion, continuation_start
 from dask_pcm.engine.model import count_tokens
+from tests.apps import PERSON_SCHEMA
 
 PROMPTS = [
     "Paris is the",
@@ -294,16 +295,7 @@ def test_the_tasks_run_on_a_worker_against_the_registered_context(
 
 # logprobs, json_schema, sample and cached_tokens.
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON_SCHEMA
 
 
 def token_ids_by_bytes(lm):

@@ -20,20 +20,12 @@ from openai.types.responses import Response
 
 import dask_pcm
 from dask_pcm.apps.openai_batch import prefix_order, run_requests
+from tests.apps import PERSON_SCHEMA
 
 CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES = (
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"
 )  # fmt: skip
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "label": {"enum": ["SUPPORTS", "REFUTES", "NOT ENOUGH INFO"]},
-    },
-    "required": ["name", "age", "label"],
-    "additionalProperties": False,
-}
+SCHEMA = PERSON_SCHEMA
 
 
 def req(custom_id: str, url: str, **body) -> dict:
