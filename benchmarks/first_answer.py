@@ -25,13 +25,16 @@ What each figure is (seconds from the command's start):
 - ``first_unit_at``: the progress bar counts the first unit back (the first answer, in the
   client's hands);
 - ``first_segment_at``: the output folder's first segment is in place (batch only);
+- ``first_unit_after_ready`` (a duration): from the first worker ready to the first unit
+  back: its tasks' dispatch and the first unit's work, what start-up does not explain;
 - ``last_unit_at``: the bar counts every unit;
 - ``seconds``: the whole command, until its process exits.
 
 When a unit starts on its worker is not in the command's output; run a run in-process with
 ``distributed.get_task_stream`` for that.
 
-``--quick`` runs one repetition of 32 requests and a smaller FEVER grid.
+``--quick`` runs one repetition of 32 requests and a smaller FEVER grid; ``--model`` goes to
+both commands (``tiny`` for a smoke run).
 
 Examples::
 
@@ -68,6 +71,7 @@ COLUMNS = [
     ("last_ready_at", "last ready", ".1f"),
     ("first_unit_at", "1st unit", ".1f"),
     ("first_segment_at", "1st segment", ".1f"),
+    ("first_unit_after_ready", "after ready", ".1f"),
     ("last_unit_at", "last unit", ".1f"),
     ("seconds", "whole run", ".1f"),
 ]
@@ -118,13 +122,16 @@ def write_requests(path: Path, n: int) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-def command(variant: str, quick: bool, workers: int, folder: Path) -> list[str]:
+def command(
+    variant: str, quick: bool, workers: int, folder: Path, model: str | None = None
+) -> list[str]:
     base = [sys.executable, "-c", _CLI]
+    chosen = ["--model", model] if model else []
     if variant == "batch":
         return [*base, "batch", "-i", str(folder / "requests.jsonl"), "-o",
-                str(folder / "answers"), "--workers", str(workers)]  # fmt: skip
+                str(folder / "answers"), "--workers", str(workers), *chosen]  # fmt: skip
     grid = ["--limit", "10", "--num-templates", "2"] if quick else []
-    return [*base, "fever", "--workers", str(workers), *grid,
+    return [*base, "fever", "--workers", str(workers), *grid, *chosen,
             "--json", str(folder / "fever.json")]  # fmt: skip
 
 
@@ -185,8 +192,11 @@ def timeline(lines: list[tuple[float, str]]) -> dict[str, float]:
     return out
 
 
-def run_once(variant: str, quick: bool, workers: int, folder: Path) -> dict[str, Any]:
-    """One fresh command, timed; raises with its last lines if it fails."""
+def run_once(
+    variant: str, quick: bool, workers: int, folder: Path, model: str | None = None
+) -> dict[str, Any]:
+    """One fresh command, timed (``model``: the CLI's ``--model``; default the embedded
+    one); raises with its last lines if it fails."""
     answers = folder / "answers"
     if answers.exists():
         subprocess.run(["rm", "-rf", str(answers)], check=True)
@@ -194,7 +204,7 @@ def run_once(variant: str, quick: bool, workers: int, folder: Path) -> dict[str,
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DASK_PCM__BATCH__FLUSH_INTERVAL": "0"}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.Popen(
-        command(variant, quick, workers, folder),
+        command(variant, quick, workers, folder, model),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         env=env,
@@ -211,6 +221,7 @@ def run_once(variant: str, quick: bool, workers: int, folder: Path) -> dict[str,
         tail = "\n".join(text for _, text in lines.lines[-30:])
         raise RuntimeError(f"dask-pcm {variant} failed (exit {code}):\n{tail}")
     row = {**timeline(lines.lines), "first_segment_at": watch.first, "seconds": seconds}
+    row["first_unit_after_ready"] = row["first_unit_at"] - row["first_ready_at"]
     return {**row, "load_average": os.getloadavg()[0]}
 
 
@@ -239,15 +250,17 @@ def main() -> None:
     variants = [v for v in args.variants.split(",") if v]
     if unknown := sorted(set(variants) - set(VARIANTS)):
         p.error(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    model = h.model_path(args) if args.model else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="dask-pcm-first-answer-") as tmp:
         folder = Path(tmp)
         write_requests(folder / "requests.jsonl", n)
         print("warming the caches (one run of each, not timed)...", flush=True)
         for variant in variants:
-            run_once(variant, True, args.workers, folder)
+            run_once(variant, True, args.workers, folder, model)
         for r, variant in _protocol.schedule(variants, reps, args.seed):
-            row = {"round": r, "variant": variant, **run_once(variant, args.quick, args.workers, folder)}  # fmt: skip
+            timed = run_once(variant, args.quick, args.workers, folder, model)
+            row = {"round": r, "variant": variant, **timed}
             rows.append(row)
             print(f"round {r} {variant}: first unit at {row['first_unit_at']:.1f} s, whole run "
                   f"{row['seconds']:.1f} s (load {row['load_average']:.1f})", flush=True)  # fmt: skip
@@ -256,7 +269,7 @@ def main() -> None:
     result = summary(rows)
     print(json.dumps(result, indent=1))
     h.write_json(args.json, rows, reps=reps, summary={"intervals": result},
-                 requests=n, workers=args.workers)  # fmt: skip
+                 requests=n, workers=args.workers, model=model or "embedded")  # fmt: skip
 
 
 if __name__ == "__main__":
