@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import _protocol
 
@@ -270,6 +271,40 @@ def ideal(model: str, work: Sequence[list[str]], processes: int) -> dict[str, An
 
 
 # -- timing and output ---------------------------------------------------------------------
+class Lines:
+    """Every line (``\\r`` or ``\\n`` ended) of ``stream``, read in a thread, stamped with the
+    seconds from ``start`` to the arrival of its first byte.
+
+    Stamped at its first byte, not at its end: a progress bar writes ``\\r`` *before* each
+    state, so a state's line ends only when the next state arrives; stamped at its end,
+    the first unit of a run with a few slow units would show up one unit late.
+    """
+
+    def __init__(self, stream: IO[bytes], start: float) -> None:
+        self.stream, self.start = stream, start
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        rest, since = b"", 0.0  # an unfinished line, and when its first byte came
+        for chunk in iter(lambda: self.stream.read1(65536), b""):  # type: ignore[attr-defined]
+            now = time.perf_counter() - self.start
+            parts = re.split(rb"[\r\n]", rest + chunk)
+            last = parts.pop()
+            for i, part in enumerate(parts):
+                if part.strip():
+                    at = since if i == 0 and rest else now
+                    self.lines.append((at, part.decode("utf-8", "replace")))
+            since = since if (rest and not parts) else now
+            rest = last
+        if rest.strip():
+            self.lines.append((since, rest.decode("utf-8", "replace")))
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+
 class Timer:
     """``with Timer() as t: ...`` then ``t.seconds`` (wall clock, ``time.perf_counter``)."""
 

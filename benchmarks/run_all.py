@@ -44,6 +44,7 @@ SCRIPTS = {
     "prefix": "prefix.py",  # FEVER claims/s with and without prompt-prefix reuse
     "paper_scale": "paper_scale.py",  # issue 19: 145,449 claims x 10 templates
     "startup": "startup.py",  # issue 32: time to first result of a fresh dask-pcm fever
+    "first_answer": "first_answer.py",  # issue 41: first answer of a fresh dask-pcm batch
 }
 
 COLUMNS = [

@@ -37,10 +37,9 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import _harness as h
 import _protocol
@@ -73,30 +72,6 @@ PATTERNS = {
     "ready": re.compile(r"Context '[^']+' ready on"),
     "units": re.compile(r"units:[^\r\n]*?(\d+)/(\d+)"),
 }
-
-
-class Lines:
-    """Every line (``\\r`` or ``\\n`` ended) of ``stream``, stamped with the seconds since
-    ``start``, read in a thread."""
-
-    def __init__(self, stream: IO[bytes], start: float) -> None:
-        self.stream, self.start = stream, start
-        self.lines: list[tuple[float, str]] = []
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        rest = b""
-        for chunk in iter(lambda: self.stream.read1(65536), b""):  # type: ignore[attr-defined]
-            now = time.perf_counter() - self.start
-            parts = re.split(rb"[\r\n]", rest + chunk)
-            rest = parts.pop()
-            self.lines += [(now, p.decode(errors="replace")) for p in parts if p.strip()]
-        if rest.strip():
-            self.lines.append((time.perf_counter() - self.start, rest.decode(errors="replace")))
-
-    def join(self) -> None:
-        self._thread.join(timeout=30)
 
 
 def timeline(lines: list[tuple[float, str]]) -> dict[str, float]:
@@ -166,7 +141,7 @@ def run_once(quick: bool, workers: int, folder: Path) -> dict[str, Any]:
         cwd=folder,
     )
     assert proc.stderr is not None
-    lines = Lines(proc.stderr, start)
+    lines = h.Lines(proc.stderr, start)
     code = proc.wait(timeout=1800)
     seconds = time.perf_counter() - start
     lines.join()

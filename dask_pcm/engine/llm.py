@@ -27,6 +27,7 @@ from dask_pcm.engine.gpu import (
 )
 from dask_pcm.engine.model import (
     CPU_BATCH_SIZE,
+    CPU_GENERATE_BATCH_SIZE,
     TOKENS_PER_PROMPT,
     LanguageModel,
     building_for_one_task,
@@ -42,7 +43,13 @@ from dask_pcm.templates.sources import (
 )
 from dask_pcm.templates.tree import TemplateFiles
 
-__all__ = ["CPU_BATCH_SIZE", "TOKENS_PER_PROMPT", "CausalLM", "LanguageModel"]
+__all__ = [
+    "CPU_BATCH_SIZE",
+    "CPU_GENERATE_BATCH_SIZE",
+    "TOKENS_PER_PROMPT",
+    "CausalLM",
+    "LanguageModel",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +73,10 @@ class CausalLM:
         ``"float32"``, ``"float16"``, ``"bfloat16"``.
     batch_size
         Most prompts per forward pass. ``None`` chooses per worker when the model loads:
-        :data:`CPU_BATCH_SIZE` on a CPU; on a GPU, as many prompts of
-        :data:`TOKENS_PER_PROMPT` tokens as 70 % of the free device memory holds (a power of
-        two, at most 256), tried by the warm-up pass. Either way an out-of-memory error
-        halves it.
+        :data:`CPU_BATCH_SIZE` on a CPU (:data:`CPU_GENERATE_BATCH_SIZE` when generating);
+        on a GPU, as many prompts of :data:`TOKENS_PER_PROMPT` tokens as 70 % of the free
+        device memory holds (a power of two, at most 256), tried by the warm-up pass. Either
+        way an out-of-memory error halves it.
 
     Example
     -------
@@ -148,12 +155,13 @@ class CausalLM:
                 f"could not load a causal LM from '{resolved.path}': {type(exc).__name__}: {exc}"
             ) from exc
         logger.info(
-            "Loaded %s on %s as %s, batches of %d: imports %.2f s, from_pretrained %.2f s, "
-            "warm-up %.2f s",
+            "Loaded %s on %s as %s, batches of %d (%d generating): imports %.2f s, "
+            "from_pretrained %.2f s, warm-up %.2f s",
             resolved.path,
             plan.device,
             plan.dtype,
             lm.batch_size,
+            lm.generate_batch_size or lm.batch_size,
             imported - began,
             built - imported,
             time.perf_counter() - warming,
@@ -167,6 +175,7 @@ class CausalLM:
             # every worker it was sent to.
             lm.memory_budget = host_memory_budget()
             lm.batch_size = self.batch_size or CPU_BATCH_SIZE
+            lm.generate_batch_size = self.batch_size or CPU_GENERATE_BATCH_SIZE
             return
         free, _ = torch.cuda.mem_get_info(torch.device(plan.device))
         lm.memory_budget = int(free * BATCH_MEMORY_FRACTION)

@@ -101,10 +101,11 @@ def rows_for(
     lm: LanguageModel, longest: int, method: str, new_tokens: int = 0, cached: int = 0
 ) -> int:
     """Rows per pass for prompts of up to ``longest`` tokens after ``cached`` kept ones:
-    ``lm.batch_size``, fewer where ``lm.memory_budget`` does not hold that many
+    ``lm.batch_size`` (``lm.generate_batch_size`` for ``"generate"``, where set), fewer
+    where ``lm.memory_budget`` does not hold that many
     (:func:`~dask_pcm.engine.gpu.prompt_bytes`, the key/value states of the kept prefix,
     the prompt and the ``new_tokens`` of ``"generate"`` included)."""
-    rows = max(1, int(lm.batch_size))
+    rows = max(1, int(_batch_size(lm, method)))
     if lm.memory_budget is None:
         return rows
     element = next(lm.model.parameters()).element_size()
@@ -151,7 +152,16 @@ def in_passes(
             where = f"{lm.device} ({method}, model {lm.label})"
             rows = halved(len(chunk) if sizes is None else rows, where, error)
             lm.batch_size = min(lm.batch_size, rows)
+            if getattr(lm, "generate_batch_size", None):
+                lm.generate_batch_size = min(lm.generate_batch_size, rows)
     return parts
+
+
+def _batch_size(lm: LanguageModel, method: str) -> int:
+    """The most rows per pass ``lm`` takes for ``method``."""
+    if method == "generate":
+        return getattr(lm, "generate_batch_size", None) or lm.batch_size
+    return lm.batch_size
 
 
 def by_length(

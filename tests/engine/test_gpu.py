@@ -234,6 +234,20 @@ def test_out_of_memory_in_a_task_retries_smaller_and_gives_the_same_answers(
     assert lm.generate(prompts[:3], max_new_tokens=2) == texts
 
 
+def test_out_of_memory_while_generating_lowers_the_generation_passes_too(
+    monkeypatch, tiny_model_dir
+):
+    lm = CausalLM(device="cpu")(tiny_model_dir)  # generation passes larger than scoring's
+    prompts = [f"claim {i}: the sky is " + "blue " * i for i in range(7)]
+    texts = lm.generate(prompts, max_new_tokens=2)
+    tried = _forward_failing_above(monkeypatch, 3)
+    assert lm.generate(prompts, max_new_tokens=2) == texts
+    assert (lm.batch_size, lm.generate_batch_size) == (3, 3)  # no pass of 7 tried again
+    tried.clear()
+    assert lm.generate(prompts, max_new_tokens=2) == texts
+    assert max(tried) == 3
+
+
 def test_one_prompt_that_does_not_fit_is_a_clear_error(monkeypatch, tiny_model_dir):
     lm = CausalLM(device="cpu")(tiny_model_dir)
     _forward_failing_above(monkeypatch, 0)
