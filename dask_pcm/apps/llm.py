@@ -440,62 +440,78 @@ def _decoded(
     that begin alike (:func:`~dask_pcm.engine.passes.prefix_groups`), the tokens the group
     shares, kept where it has two rows or more (one prompt alone would only fill the
     cache)."""
-    pad = int(lm.tokenizer.pad_token_id)
     generated: list[list[int]] = [[] for _ in ids]
     cached = [0] * len(ids)
-    for group in prefix_groups(ids) if lm.prefix_cache is not None else [list(range(len(ids)))]:
-        mine = [ids[i] for i in group]
-        shared, states = kept_prefix(lm, mine, mine[0]) if len(mine) > 1 else (0, None)
-
-        def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
-            index = [group[i] for i, _ in chunk]  # noqa: B023 (run is called in this loop)
-            tokens = decode(
-                lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens,
-                eos=eos, pick=choose(index), prefix=states, prefix_len=shared,  # noqa: B023
-                stopped=stopped,
-            )  # fmt: skip
-            return list(zip([i for i, _ in chunk], tokens, strict=True))
-
-        rest = [seq[shared:] for seq in mine]
-        for i, tokens in zip(group, _in_passes(lm, rest, run, "generate", max_tokens, shared),
-                             strict=True):  # fmt: skip
-            generated[i], cached[i] = tokens, shared
+    for group in _groups(lm, ids):
+        tokens, shared = _group_decoded(lm, ids, group, max_tokens, eos, stopped, choose)
+        for i, row_tokens in zip(group, tokens, strict=True):
+            generated[i], cached[i] = row_tokens, shared
     return generated, cached
+
+
+def _group_decoded(
+    lm: LanguageModel,
+    ids: list[list[int]],
+    group: list[int],
+    max_tokens: int,
+    eos: set[int],
+    stopped: Any,
+    choose: Any,
+) -> tuple[list[list[int]], int]:
+    """:func:`_decoded` of the rows ``group`` of ``ids``, after the tokens they share."""
+    mine = [ids[i] for i in group]
+    shared, states = kept_prefix(lm, mine, mine[0]) if len(mine) > 1 else (0, None)
+    pad = int(lm.tokenizer.pad_token_id)
+
+    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, list[int]]]:
+        tokens = decode(
+            lm.model, [seq for _, seq in chunk], pad, lm.device, max_tokens=max_tokens,
+            eos=eos, pick=choose([group[i] for i, _ in chunk]), prefix=states,
+            prefix_len=shared, stopped=stopped,
+        )  # fmt: skip
+        return list(zip([i for i, _ in chunk], tokens, strict=True))
+
+    rest = [seq[shared:] for seq in mine]
+    return _in_passes(lm, rest, run, "generate", max_tokens, shared), shared
 
 
 def _continuations(lm: LanguageModel, seqs: list[list[int]], starts: list[int]) -> list[float]:
     """The summed log-probability of each sequence's tokens from its start on; per group of
     sequences that begin alike (:func:`~dask_pcm.engine.passes.prefix_groups`), after the
     tokens the group shares, kept."""
-    if not seqs:
-        return []
-    pad = int(lm.tokenizer.pad_token_id)
     sums = [0.0] * len(seqs)
-    for group in prefix_groups(seqs) if lm.prefix_cache is not None else [list(range(len(seqs)))]:
-        mine, firsts = [seqs[i] for i in group], [starts[i] for i in group]
-        # At most up to the token before the earliest choice: its logits are needed.
-        shared, states = kept_prefix(lm, mine, mine[0][: min(firsts) - 1])
-
-        def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, float]]:
-            rows = [seq for _, seq in chunk]
-            begin = [firsts[i] - shared for i, _ in chunk]  # noqa: B023
-            found = continuation_logprobs(
-                lm.model,
-                rows,
-                begin,
-                pad,
-                lm.device,
-                states,
-                shared,  # noqa: B023
-            )
-            return list(zip([i for i, _ in chunk], found, strict=True))
-
-        packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
-        rest = [seq[shared:] for seq in mine]
-        parts = _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
-        for i, value in zip(group, parts, strict=True):
+    for group in _groups(lm, seqs):
+        values = _group_continuations(lm, [seqs[i] for i in group], [starts[i] for i in group])
+        for i, value in zip(group, values, strict=True):
             sums[i] = value
     return sums
+
+
+def _group_continuations(
+    lm: LanguageModel, seqs: list[list[int]], starts: list[int]
+) -> list[float]:
+    """:func:`_continuations` of sequences that run after the tokens they share."""
+    # At most up to the token before the earliest choice: its logits are needed.
+    shared, states = kept_prefix(lm, seqs, seqs[0][: min(starts) - 1])
+    pad = int(lm.tokenizer.pad_token_id)
+
+    def run(chunk: list[tuple[int, list[int]]]) -> list[tuple[int, float]]:
+        rows = [seq for _, seq in chunk]
+        firsts = [starts[i] - shared for i, _ in chunk]
+        sums = continuation_logprobs(lm.model, rows, firsts, pad, lm.device, states, shared)
+        return list(zip([i for i, _ in chunk], sums, strict=True))
+
+    packed = states is not None and packable(lm.model)  # as continuation_logprobs runs them
+    rest = [seq[shared:] for seq in seqs]
+    return _in_passes(lm, rest, run, "logits", cached=shared, packed=packed)
+
+
+def _groups(lm: LanguageModel, ids: list[list[int]]) -> list[list[int]]:
+    """The groups of rows that run after prefix states of their own (all rows in one where
+    the model keeps no prefixes); none for no rows."""
+    if not ids:
+        return []
+    return prefix_groups(ids) if lm.prefix_cache is not None else [list(range(len(ids)))]
 
 
 def _choices_of(row: dict[str, Any], i: int, choices: str | Sequence[str]) -> list[str]:

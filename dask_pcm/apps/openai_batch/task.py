@@ -128,14 +128,16 @@ def _generate(
         if json_schema is not None and not isinstance(exc, PromptTooLongError):
             exc.param = "response_format"  # type: ignore[attr-defined]
         raise
-    out = [
-        {"result": {"choices": []}, "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        for _ in rows
-    ]
+    choices: list[list[dict[str, Any]]] = [[] for _ in rows]
+    out: list[dict[str, Any]] = [
+        {"result": {"choices": choices[r]}, "prompt_tokens": 0, "completion_tokens": 0,
+         "cached_tokens": 0}
+        for r in range(len(rows))
+    ]  # fmt: skip
     for (r, p, k), result in zip(owner, results, strict=True):
         mine = out[r]
         choice = {key: result.get(key) for key in ("text", "finish_reason", "logprobs")}
-        mine["result"]["choices"].append({"index": p * n + k, **choice})
+        choices[r].append({"index": p * n + k, **choice})
         mine["completion_tokens"] += result["completion_tokens"]
         if k == 0:  # a prompt's tokens count once, however many draws
             mine["prompt_tokens"] += result["prompt_tokens"]
