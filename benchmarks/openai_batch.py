@@ -75,7 +75,11 @@ SYSTEM = (
     "Titles of films, books and albums are judged by their release, not by their making. "
     "Awards count only when they were given, not when a person was nominated for them. "
     "Places are judged by the borders of the time the claim speaks of. Organisations are "
-    "judged by what they did, not by what they said they would do. Always be consistent."
+    "judged by what they did, not by what they said they would do. Numbers written in "
+    "words and in digits are the same number. A claim about a record is judged by the "
+    "record of its time, not of today. Translations of a name count as the same name. "
+    "When two sources you know disagree, say that there is not enough information. Always "
+    "be consistent, and answer every claim on its own, whatever came before it."
 )
 SUBJECTS = ["Marie Curie", "the Eiffel Tower", "Mount Everest", "the Nile", "Alan Turing",
             "the Great Wall", "Ada Lovelace", "the Amazon", "Isaac Newton", "the Moon"]  # fmt: skip
@@ -131,6 +135,8 @@ def section_prefix(args: Any, model: str, reps: int, tmp: Path) -> dict[str, Any
     files["none"] = files["found"]
     files["shared"] = prefix_file(tmp / "shared.jsonl", n, args.seed, odd=False)
     tokens = len(dask_pcm.CausalLM(device="cpu")(model).tokenizer(SYSTEM)["input_ids"])
+    if tokens < 300 and args.model != h.TINY:
+        raise SystemExit(f"the shared system prompt has {tokens} tokens, not the 300 it needs")
     rows: list[dict[str, Any]] = []
     texts: dict[str, dict[str, str]] = {}
     with resident(model, args.workers, True) as found, resident(model, args.workers, False) as none:
