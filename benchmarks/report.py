@@ -555,6 +555,35 @@ def _scheduler_overhead(folder: Path) -> Block:
     return Block(table(["kind", "tasks/s, or ratio"], body, "lr"), [src])
 
 
+def _openai_batch(folder: Path) -> Block:
+    src = load_stamped("openai-batch", folder)
+    prefix, big = src.summary["prefix"], src.summary["big"]
+
+    def shown(i: dict[str, Any], spec: str, strong: bool = False) -> str:
+        return show(Figure(i["median"], i["low"], i["high"], i["runs"]), spec, strong)
+
+    n, tokens = prefix["requests"], prefix["system_prompt_tokens"]
+    steady = num(big["steady_requests_per_second"], ",.0f")
+    body = [
+        [f"{n} chats, 9 in 10 share a {tokens}-token system prompt: requests/s, prefixes "
+         "found", shown(prefix["found"], ".2f")],
+        ["the same, no prefix kept", shown(prefix["none"], ".2f")],
+        ["the same requests, every one with the shared prompt", shown(prefix["shared"], ".2f")],
+        [f"found / none (target {prefix['target']:g})", shown(prefix["ratio"], ".2f", True)],
+        [f"all shared / found (target at most {prefix['target_shared_over_found']:g})",
+         shown(prefix["shared_over_found"], ".2f", True)],
+        ["greedy text identical, found and none", "yes" if prefix["identical_greedy_text"]
+         else "no"],
+        [f"{big['requests']:,} requests (tiny model): client peak memory, MB (target "
+         f"{big['targets']['client_peak_rss_mb']})", bold(num(big["client_peak_rss_mb"], ".0f"))],
+        ["steady requests/s; one process of one thread",
+         f"{steady}; {num(big['one_process_requests_per_second'], ',.0f')}"],
+        [f"steady / one process (target {big['targets']['rate_ratio']:g})",
+         bold(num(big["rate_ratio"], ".2f"))],
+    ]  # fmt: skip
+    return Block(table(["measure", "median (95 % interval)"], body, "lr"), [src])
+
+
 PREFIX: list[Column] = [
     ("template", "template", ""),
     ("prompt_tokens", "tokens", ".1f"),
@@ -990,6 +1019,7 @@ RUNS = {
     "prefix": "prefix.py",
     "paper-scale": "paper_scale.py",
     "startup": "startup.py",
+    "openai-batch": "openai_batch.py",
 }
 
 
@@ -1046,6 +1076,7 @@ GENERATORS: dict[str, Generator] = {
     "paper-scale": _paper_scale,
     "startup": _startup,
     "fever-accuracy": _fever_accuracy,
+    "openai-batch": _openai_batch,
     "runs": _runs,
 }
 
