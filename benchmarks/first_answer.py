@@ -128,8 +128,10 @@ def command(
     base = [sys.executable, "-c", _CLI]
     chosen = ["--model", model] if model else []
     if variant == "batch":
+        # The requests name "smollm2": answered by whichever model the run serves.
         return [*base, "batch", "-i", str(folder / "requests.jsonl"), "-o",
-                str(folder / "answers"), "--workers", str(workers), *chosen]  # fmt: skip
+                str(folder / "answers"), "--workers", str(workers), "--any-model",
+                *chosen]  # fmt: skip
     grid = ["--limit", "10", "--num-templates", "2"] if quick else []
     return [*base, "fever", "--workers", str(workers), *grid, *chosen,
             "--json", str(folder / "fever.json")]  # fmt: skip
@@ -220,6 +222,10 @@ def run_once(
     if code:
         tail = "\n".join(text for _, text in lines.lines[-30:])
         raise RuntimeError(f"dask-pcm {variant} failed (exit {code}):\n{tail}")
+    if variant == "batch":
+        failed = (answers / "errors.jsonl").read_text().count("\n")
+        if failed:
+            raise RuntimeError(f"dask-pcm batch answered with {failed} errors: see {answers}")
     row = {**timeline(lines.lines), "first_segment_at": watch.first, "seconds": seconds}
     row["first_unit_after_ready"] = row["first_unit_at"] - row["first_ready_at"]
     return {**row, "load_average": os.getloadavg()[0]}
