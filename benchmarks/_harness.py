@@ -13,6 +13,7 @@ import argparse
 import multiprocessing
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -303,6 +304,27 @@ class Lines:
 
     def join(self) -> None:
         self._thread.join(timeout=30)
+
+
+def stamped_run(
+    argv: Sequence[str], env: dict[str, str], cwd: Path, start: float | None = None
+) -> tuple[list[tuple[float, str]], float]:
+    """Run ``argv`` to its end, output ignored, each line of its standard error stamped
+    (:class:`Lines`) with the seconds from ``start`` (default: now); its lines and the
+    seconds it took. RuntimeError with its last lines when it fails."""
+    start = time.perf_counter() if start is None else start
+    proc = subprocess.Popen(
+        list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd
+    )
+    assert proc.stderr is not None
+    lines = Lines(proc.stderr, start)
+    code = proc.wait(timeout=1800)
+    seconds = time.perf_counter() - start
+    lines.join()
+    if code:
+        tail = "\n".join(text for _, text in lines.lines[-30:])
+        raise RuntimeError(f"{' '.join(argv[-12:])} failed (exit {code}):\n{tail}")
+    return lines.lines, seconds
 
 
 class Timer:

@@ -205,28 +205,17 @@ def run_once(
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DASK_LOGGING__DASK_PCM": "info",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "DASK_PCM__BATCH__FLUSH_INTERVAL": "0"}  # fmt: skip
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        command(variant, quick, workers, folder, model),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=folder,
-    )
-    assert proc.stderr is not None
-    lines = h.Lines(proc.stderr, start)
     watch = FolderWatch(answers, start)
-    code = proc.wait(timeout=1800)
-    seconds = time.perf_counter() - start
-    watch.stop()
-    lines.join()
-    if code:
-        tail = "\n".join(text for _, text in lines.lines[-30:])
-        raise RuntimeError(f"dask-pcm {variant} failed (exit {code}):\n{tail}")
+    try:
+        lines, seconds = h.stamped_run(command(variant, quick, workers, folder, model), env,
+                                       folder, start)  # fmt: skip
+    finally:
+        watch.stop()
     if variant == "batch":
         failed = (answers / "errors.jsonl").read_text().count("\n")
         if failed:
             raise RuntimeError(f"dask-pcm batch answered with {failed} errors: see {answers}")
-    row = {**timeline(lines.lines), "first_segment_at": watch.first, "seconds": seconds}
+    row = {**timeline(lines), "first_segment_at": watch.first, "seconds": seconds}
     row["first_unit_after_ready"] = row["first_unit_at"] - row["first_ready_at"]
     return {**row, "load_average": os.getloadavg()[0]}
 

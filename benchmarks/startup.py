@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -132,23 +130,8 @@ def command(quick: bool, workers: int, report: Path) -> list[str]:
 def run_once(quick: bool, workers: int, folder: Path) -> dict[str, Any]:
     """One fresh command, timed; raises with its last lines if it fails."""
     env = {**os.environ, "DASK_LOGGING__DASK_PCM": "info", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        command(quick, workers, folder / "report.json"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env=env,
-        cwd=folder,
-    )
-    assert proc.stderr is not None
-    lines = h.Lines(proc.stderr, start)
-    code = proc.wait(timeout=1800)
-    seconds = time.perf_counter() - start
-    lines.join()
-    if code:
-        tail = "\n".join(text for _, text in lines.lines[-30:])
-        raise RuntimeError(f"dask-pcm fever failed (exit {code}):\n{tail}")
-    return {**timeline(lines.lines), "seconds": seconds, "load_average": os.getloadavg()[0]}
+    lines, seconds = h.stamped_run(command(quick, workers, folder / "report.json"), env, folder)
+    return {**timeline(lines), "seconds": seconds, "load_average": os.getloadavg()[0]}
 
 
 def main() -> None:
