@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import struct
+import tempfile
 from array import array
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,7 +212,7 @@ def write_results(
     again.
 
     The folder's rows are read a batch at a time, in the order they were written (by
-    prefix, not by input), and their lines spooled to a hidden file; the files are then
+    prefix, not by input), and their lines spooled to a nameless file in the folder; the files are then
     written in input order from the spool: the answers are never all in memory.
     """
     failed = {  # custom_id -> why its unit failed
@@ -227,7 +228,8 @@ def write_results(
     counts = [0, 0]
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     try:
-        with atomic_file(root, root / f"{OUTPUT}.spool") as spool:
+        # Nameless (unlinked at once): nothing is left of it after a kill.
+        with tempfile.TemporaryFile(dir=root) as spool:
             # Where each request's line is in the spool (-1: none), and whether it is good.
             where, good = array("q", [-1]) * len(read.items), bytearray(len(read.items))
             position = {r.custom_id: i for i, r in enumerate(read.items)}
@@ -242,31 +244,22 @@ def write_results(
                     if good[i]:
                         for name in usage:
                             usage[name] += int(getattr(row, name))
-            spool.flush()
             with (
-                open(spool.name, "rb") as lines,
                 atomic_file(root, root / OUTPUT, "w") as answers,
                 atomic_file(root, root / ERRORS, "w") as problems,
             ):
                 for i, request in enumerate(read.items):
                     if where[i] >= 0:
-                        lines.seek(where[i])
-                        text, ok = lines.readline().decode(), bool(good[i])
+                        spool.seek(where[i])
+                        text, ok = spool.readline().decode(), bool(good[i])
                     else:
                         line = _line(request, None, model, failed, not_run)
                         text, ok = json.dumps(line) + "\n", _good(line)
                     counts[not ok] += 1
                     (answers if ok else problems).write(text)
-            raise _Discard
-    except _Discard:
-        pass  # the spool is not kept: atomic_file removes it
     finally:
         locks.unlock(lock)
     return Written(counts[0], counts[1], usage)
-
-
-class _Discard(Exception):
-    """Leaves :func:`atomic_file` without keeping the file (the spool)."""
 
 
 def _good(line: dict[str, Any]) -> bool:
