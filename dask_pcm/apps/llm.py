@@ -40,6 +40,7 @@ from dask_pcm.engine.generation import (
 from dask_pcm.engine.model import LanguageModel, prompt_problem
 from dask_pcm.engine.passes import in_passes, kept_prefix, prefix_groups
 from dask_pcm.engine.prefix import packable
+from dask_pcm.engine.vllm import VLLMModel, is_vllm
 from dask_pcm.exceptions import PromptTooLongError
 from dask_pcm.tasks import get_context
 
@@ -132,6 +133,14 @@ def generate(
     stops = [s for s in ([stop] if isinstance(stop, str) else stop or ()) if s]
     lm = _model(context)
     texts, chats = _prompts(lm, rows, prompt, messages)
+    draws = [_sample_of(row, i, sample) for i, row in enumerate(rows)]
+    seeds = None
+    if temperature > 0:
+        base = secrets.randbits(63) if seed is None else seed
+        seeds = [_row_seed(base, t, n) for t, n in zip(texts, draws, strict=True)]
+    if is_vllm(lm):
+        sampling = {"temperature": temperature, "top_p": top_p, "seeds": seeds}
+        return _vllm_generate(lm, texts, chats, max_tokens, sampling, stops, logprobs, json_schema)
     import torch
 
     with lm.lock, torch.inference_mode():
@@ -139,11 +148,6 @@ def generate(
         _check(lm, [len(seq) for seq in ids], "generate", max_tokens)
         eos = eos_ids(lm.model, lm.tokenizer)
         found = None if not stops else (lambda t: stop_position(lm.tokenizer, t, stops) >= 0)
-        draws = [_sample_of(row, i, sample) for i, row in enumerate(rows)]
-        seeds = None
-        if temperature > 0:
-            base = secrets.randbits(63) if seed is None else seed
-            seeds = [_row_seed(base, t, n) for t, n in zip(texts, draws, strict=True)]
         matchers = None
         if json_schema is not None:
             matchers = json_matchers(lm.tokenizer, eos, json_schema, len(ids))
@@ -219,7 +223,11 @@ def score_choices(
         starts = [
             continuation_start(prompt_ids[i], seq) for (i, _), seq in zip(pairs, full, strict=True)
         ]
-        flat = _continuations(lm, full, starts)
+    if is_vllm(lm):
+        flat = lm.continuation_logprobs(full, starts)
+    else:
+        with lm.lock, torch.inference_mode():
+            flat = _continuations(lm, full, starts)
     results, done = [], 0
     for cs in options:
         scores = flat[done : done + len(cs)]
@@ -269,9 +277,29 @@ def embed(
         if not isinstance(value, str):
             raise ValueError(f"row {i}: column {text!r} holds no string (got {value!r:.80})")
         texts.append(value)
-    if not isinstance(held, LanguageModel) and callable(getattr(held, "encode", None)):
+    if is_vllm(held):
+        ids = held.encode(texts)
+        held.too_long([len(seq) for seq in ids], 0)
+        vectors = held.embed_ids(ids)
+    elif not isinstance(held, LanguageModel) and callable(getattr(held, "encode", None)):
         return _encoded(held, texts, normalize)
-    lm: LanguageModel = held
+    else:
+        vectors, ids = _embedded(held, texts)
+    import torch
+
+    if not vectors:
+        return []
+    matrix = torch.stack(vectors)
+    if normalize:
+        matrix = torch.nn.functional.normalize(matrix, dim=-1)
+    return [
+        {"embedding": [float(x) for x in v], "tokens": len(seq)}
+        for v, seq in zip(matrix.tolist(), ids, strict=True)
+    ]
+
+
+def _embedded(lm: LanguageModel, texts: list[str]) -> tuple[list[Any], list[list[int]]]:
+    """Mean-pooled last hidden states of ``texts`` on the Hugging Face engine, and their ids."""
     import torch
 
     with lm.lock, torch.inference_mode():
@@ -283,16 +311,39 @@ def embed(
             vectors = mean_hidden(lm.model, [seq for _, seq in chunk], pad, lm.device)
             return list(zip([i for i, _ in chunk], vectors, strict=True))
 
-        vectors = _in_passes(lm, ids, run, "logits")
-    if not vectors:
-        return []
-    matrix = torch.stack(vectors)
-    if normalize:
-        matrix = torch.nn.functional.normalize(matrix, dim=-1)
-    return [
-        {"embedding": [float(x) for x in v], "tokens": len(seq)}
-        for v, seq in zip(matrix.tolist(), ids, strict=True)
-    ]
+        return _in_passes(lm, ids, run, "logits"), ids
+
+
+def _vllm_generate(
+    lm: VLLMModel,
+    texts: list[str],
+    chats: list[bool],
+    max_tokens: int,
+    sampling: dict[str, Any],
+    stops: list[str],
+    logprobs: int | None,
+    json_schema: dict[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """:func:`generate` on a vLLM context: the same prompts' token ids, vLLM's decoding."""
+    ids = _encode(lm, texts, chats)
+    lm.too_long([len(seq) for seq in ids], max_tokens)
+    rows = lm.sample(
+        ids, max_tokens=max_tokens, stops=stops, logprobs=logprobs, json_schema=json_schema,
+        **sampling,
+    )  # fmt: skip
+    results = []
+    for row, seq in zip(rows, ids, strict=True):
+        result = {
+            "text": row["text"],
+            "finish_reason": row["finish_reason"],
+            "prompt_tokens": len(seq),
+            "completion_tokens": len(row["tokens"]),
+            "cached_tokens": row["cached_tokens"],
+        }
+        if logprobs is not None:
+            result["logprobs"] = logprob_entries(lm.tokenizer, row["steps"])
+        results.append(result)
+    return results
 
 
 def _encoded(encoder: Any, texts: list[str], normalize: bool) -> list[dict[str, Any]]:
@@ -308,9 +359,9 @@ def _encoded(encoder: Any, texts: list[str], normalize: bool) -> list[dict[str, 
     ]
 
 
-def _model(context: str | LanguageModel) -> LanguageModel:
-    lm: LanguageModel = get_context(context) if isinstance(context, str) else context
-    return lm
+def _model(context: str | LanguageModel) -> Any:
+    """The context's built model: a LanguageModel, or a vLLM engine (:class:`VLLMModel`)."""
+    return get_context(context) if isinstance(context, str) else context
 
 
 def _prompts(
@@ -323,7 +374,8 @@ def _prompts(
         chat = row.get(messages)
         if chat is not None and not isinstance(chat, float):  # NaN: a missing value in pandas
             texts.append(_render(lm, chat, f"row {i}: {messages!r}"))
-            chats.append(True)
+            # Without a chat template the fallback lines are a plain prompt.
+            chats.append(bool(getattr(lm.tokenizer, "chat_template", None)))
             continue
         text = row.get(prompt)
         if not isinstance(text, str):
@@ -346,16 +398,17 @@ def _render(lm: LanguageModel, chat: Any, where: str) -> str:
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
 
-def _encode(lm: LanguageModel, texts: list[str], chats: list[bool]) -> list[list[int]]:
-    """Token ids of ``texts``; a chat template that writes the begin-of-sequence token itself
-    does not get a second one from the tokenizer."""
-    if not texts:
-        return []
-    ids: list[list[int]] = [list(x) for x in lm.tokenizer(texts)["input_ids"]]
-    bos, bos_text = lm.tokenizer.bos_token_id, lm.tokenizer.bos_token
-    for seq, text, chat in zip(ids, texts, chats, strict=True):
-        if chat and bos_text and text.startswith(bos_text) and seq[:2] == [bos, bos]:
-            del seq[0]
+def _encode(lm: LanguageModel | VLLMModel, texts: list[str], chats: list[bool]) -> list[list[int]]:
+    """Token ids of ``texts``: a prompt with the special tokens its tokenizer adds, a rendered
+    chat as its template wrote it (the template writes its own special tokens, as
+    transformers' and vLLM's chat paths tokenize it)."""
+    ids: list[list[int]] = [[] for _ in texts]
+    for chat in (False, True):
+        index = [i for i, c in enumerate(chats) if c is chat]
+        if index:
+            encoded = lm.tokenizer([texts[i] for i in index], add_special_tokens=not chat)
+            for i, seq in zip(index, encoded["input_ids"], strict=True):
+                ids[i] = list(seq)
     return ids
 
 

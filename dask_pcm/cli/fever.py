@@ -13,6 +13,7 @@ from dask_pcm.apps.fever.data import ERRORS
 from dask_pcm.apps.fever.run import run_fever
 from dask_pcm.apps.fever.scoring import METHODS
 from dask_pcm.cli.shared import (
+    ENGINE,
     LEVEL,
     MODEL,
     SCHEDULER,
@@ -98,6 +99,7 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
     "Local worker processes (default: one per GPU, else one per core), or the most worker "
     "jobs (default 4).",
 )
+@ENGINE
 @SCHEDULER
 @SCHEDULER_FILE
 def fever(

@@ -10,6 +10,7 @@ import click
 
 from dask_pcm.apps.openai_batch import parse_window, read_status, run_requests
 from dask_pcm.cli.shared import (
+    ENGINE,
     SCHEDULER,
     SCHEDULER_FILE,
     echo_lines,
@@ -93,6 +94,7 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
     help="Requests per unit: the grain of a resume and of a failure.",
 )
 @click.option("--level", type=click.Choice(LEVELS), default=None, help="Context level.")
+@ENGINE
 def batch(
     requests: str | None,
     output: str | None,
@@ -108,6 +110,7 @@ def batch(
     scheduler_file: str | None,
     requests_per_unit: int,
     level: str | None,
+    engine: str,
 ) -> None:
     """Answer an OpenAI Batch API file: chat completions, completions, responses and
     embeddings.
@@ -140,7 +143,7 @@ def batch(
                 requests, output, model=model, served_model_name=served_model_name,
                 any_model=any_model, cluster=client or cluster, workers=workers,
                 errors=errors, requests_per_unit=requests_per_unit, level=level,
-                completion_window=completion_window,
+                completion_window=completion_window, engine=engine,
             )  # fmt: skip
     except ClusterLostError as exc:
         raise click.ClickException(f"{exc}; {kept}") from exc

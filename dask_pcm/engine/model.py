@@ -193,6 +193,22 @@ class LanguageModel:
 
         return torch.stack(by_length(self, prompts, prefix, run, "logits"))
 
+    def next_token_logprobs(
+        self, prompts: Sequence[str], token_ids: Sequence[int], prefix: str | None = None
+    ) -> torch.Tensor:
+        """The log-probability of each of ``token_ids`` as the token after each prompt:
+        :meth:`next_token_logits` (``prefix`` as there), log-softmaxed, those columns.
+
+        Example
+        -------
+        >>> lm.next_token_logprobs(["The sky is"], [lm.tokenizer.encode(" blue")[0]])  # doctest: +SKIP
+        tensor([[-1.37]])
+        """
+        import torch
+
+        logits = self.next_token_logits(prompts, prefix)
+        return torch.log_softmax(logits, dim=-1)[:, list(token_ids)]
+
     def complete(self, prompt: str, max_new_tokens: int = 8) -> str:
         """Greedy continuation of ``prompt``: only the new text (:meth:`generate` of one).
 
@@ -288,6 +304,10 @@ def prompt_problem(
     >>> prompt_problem(lm, 100_000)  # doctest: +SKIP
     "100000 tokens exceed the model's context of 8192 tokens"
     """
+    own = getattr(lm, "prompt_problem", None)  # another engine (vLLM) says for itself
+    if own is not None:
+        problem: str | None = own(tokens, method, new_tokens)
+        return problem
     element = next(lm.model.parameters()).element_size()
     where = f"{lm.device} (model {lm.label})"
     return pass_problem(
@@ -297,7 +317,8 @@ def prompt_problem(
 
 def max_tokens(lm: LanguageModel) -> int | None:
     """The most tokens ``lm`` takes in one sequence (its context); ``None`` when unsaid."""
-    return context_length(getattr(lm.model, "config", None))
+    given = getattr(lm, "max_model_len", None)  # another engine's (vLLM)
+    return int(given) if given else context_length(getattr(lm.model, "config", None))
 
 
 def count_tokens(lm: LanguageModel, texts: Sequence[str]) -> list[int]:

@@ -164,11 +164,17 @@ def test_chat_messages_go_through_the_chat_template_or_a_plain_fallback(lm):
         lm.tokenizer.chat_template = CHAT_TEMPLATE
         rendered = "[system] Be brief.\n[user] Water\n[assistant]"
         got = llm.generate([{"messages": chat, "prompt": "ignored"}], context=lm, max_tokens=6)
-        assert got == llm.generate(rows_of([rendered]), context=lm, max_tokens=6)
-        # A template that writes <s> itself does not get a second one from the tokenizer.
+        # Tokenized as the template wrote it, as transformers' own chat path does (and
+        # vLLM's): no special tokens added.
+        ids = lm.tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert got[0]["prompt_tokens"] == len(ids)
+        assert len(ids) == len(lm.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        # A template that writes <s> itself gets it once.
         lm.tokenizer.chat_template = "{{ bos_token }}" + CHAT_TEMPLATE
         with_bos = llm.generate([{"messages": chat}], context=lm, max_tokens=6)[0]
-        assert with_bos["prompt_tokens"] == got[0]["prompt_tokens"]
+        assert with_bos["prompt_tokens"] == got[0]["prompt_tokens"] + 1
+        assert with_bos == llm.generate(rows_of([rendered]), context=lm, max_tokens=6)[0]
         lm.tokenizer.chat_template = None
         fallback = "system: Be brief.\nuser: Water\nassistant:"
         got = llm.generate([{"messages": chat}], context=lm, max_tokens=6)

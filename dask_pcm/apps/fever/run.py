@@ -24,7 +24,7 @@ from dask_pcm.apps.fever.scoring import check_method
 from dask_pcm.apps.fever.units import CONTEXT, score_rows
 from dask_pcm.batch.run import run_batch
 from dask_pcm.batch.segments import read_groups
-from dask_pcm.context import causal_lm, content_digest
+from dask_pcm.context import content_digest, language_model
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,6 +48,7 @@ def run_fever(
     prefix_cache: bool = True,
     batch_size: int | None = None,
     truncate: bool | None = None,
+    engine: str = "hf",
 ) -> FeverResult:
     """Score FEVER claims under several prompt templates and rank the templates.
 
@@ -107,6 +108,10 @@ def run_fever(
         predictions are the same.
     batch_size : int, optional
         Old name of ``claims_per_task`` (deprecated).
+    engine : {"hf", "vllm"}
+        The model's engine on the workers: dask_pcm's Hugging Face forward loop
+        (:func:`dask_pcm.causal_lm`, its prefix path), or vLLM (:func:`dask_pcm.vllm_lm`: a
+        Hugging Face folder as ``model``; its prefix cache finds what prompts share).
 
     Returns
     -------
@@ -133,7 +138,7 @@ def run_fever(
     if limit is not None:
         claims = sample_claims(claims, limit, seed=seed)
     chosen = get_templates(templates, num_templates)
-    context = causal_lm(model, name=CONTEXT)
+    context = language_model(model, name=CONTEXT, engine=engine)
     names = [t.name for t in chosen]
 
     def check(client: Any, todo: Any) -> None:

@@ -100,11 +100,14 @@ def score_logits(
     # "Already borrowed"): a LanguageModel's lock guards it.
     with getattr(lm, "lock", None) or contextlib.nullcontext():
         ids = answer_token_ids(lm.tokenizer, answers)
-    logits = (
-        lm.next_token_logits(prompts) if prefix is None else lm.next_token_logits(prompts, prefix)
+    wanted = sorted({t for variants in ids for t in variants})
+    column = {t: j for j, t in enumerate(wanted)}
+    # On the Hugging Face engine one forward pass and a log-softmax; on vLLM those ids'
+    # log-probabilities as it computes them.
+    logprobs = lm.next_token_logprobs(prompts, wanted, prefix)
+    per_label = torch.stack(
+        [logprobs[:, [column[t] for t in v]].logsumexp(-1) for v in ids], dim=-1
     )
-    logprobs = torch.log_softmax(logits, dim=-1)
-    per_label = torch.stack([logprobs[:, list(v)].logsumexp(-1) for v in ids], dim=-1)
     best = per_label.argmax(-1).tolist()
     rows = []
     for i, scores in enumerate(per_label.tolist()):

@@ -63,7 +63,7 @@ from dask_pcm.apps.openai_batch.status import STATUS_FILE, BatchStatus, read_sta
 from dask_pcm.apps.openai_batch.task import CONTEXT, answer
 from dask_pcm.batch.run import run_batch
 from dask_pcm.batch.segments import read_predictions
-from dask_pcm.context import causal_lm
+from dask_pcm.context import language_model
 from dask_pcm.exceptions import BatchInputError
 
 __all__ = [
@@ -144,6 +144,7 @@ def run_requests(
     timeout: float | None = None,
     completion_window: str | float | None = None,
     progress: bool = True,
+    engine: str = "hf",
 ) -> Outcome:
     """Answer an OpenAI Batch API input file; write ``output.jsonl``, ``errors.jsonl`` and
     ``batch.json``.
@@ -169,6 +170,9 @@ def run_requests(
     completion_window
         How long the run may take (:func:`parse_window`: ``"24h"``...); requests not run by
         then are ``batch_expired``, and a rerun answers them. Default: no window.
+    engine
+        ``"hf"``: dask_pcm's Hugging Face engine (:func:`~dask_pcm.causal_lm`); ``"vllm"``:
+        vLLM on every worker (:func:`~dask_pcm.vllm_lm`; a Hugging Face folder as ``model``).
 
     Example
     -------
@@ -194,7 +198,7 @@ def run_requests(
         status.start(len(read.items), refused, endpoints, window)
         status.add(*_counted(_earlier(root)))
 
-    context = causal_lm(model, name=CONTEXT)
+    context = language_model(model, name=CONTEXT, engine=engine)
     try:
         with files_expected():
             result = run_batch(
