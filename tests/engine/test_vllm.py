@@ -241,3 +241,69 @@ def test_unregister_and_worker_close_leave_no_vllm_process(model_dir):
         )
         assert again.result(timeout=300) == fut.result()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(900)
+def test_a_vllm_context_on_slurm_jobs_survives_a_scancel_mid_run(tmp_path, model_dir):
+    """Two SLURM worker jobs serve a vLLM context; once some units are written, one job is
+    ``scancel``led while its engine serves. Every request is answered once, the replacement
+    job's worker copies the template from the peer (no byte from the source) and starts its
+    engine."""
+    import threading
+
+    import dask
+    from distributed import Client
+
+    from dask_pcm.apps.openai_batch import run_requests
+    from tests.conftest import one_host_batch_cluster, require_batch_system, wait_for
+
+    require_batch_system(
+        "sinfo", "SLURM", "; `sudo bash ci/slurm/setup.sh` starts one", "PCM_REQUIRE_SLURM"
+    )
+    requests = _requests(tmp_path / "requests.jsonl", 90, model_dir.name)
+    out = tmp_path / "answers"
+    settings = {"distributed.deploy.lost-worker-timeout": "2s"}
+    with (
+        dask.config.set(settings),
+        one_host_batch_cluster("slurm", tmp_path, 2, memory="4GB", walltime="00:30:00") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2, timeout=180)
+        first = set(client.scheduler_info()["workers"])
+        ctx = dask_pcm.vllm_lm(model_dir, name="openai-batch-llm", **SMALL)
+        dask_pcm.register(client, ctx)
+        cancelled: dict[str, str] = {}
+
+        def cancel_one() -> None:
+            wait_for(lambda: len(list(out.glob("part-*.parquet"))) >= 1, 300, "a first segment")
+            victim = sorted(client.scheduler_info()["workers"])[0]
+            job = cluster.workers[client.scheduler_info()["workers"][victim]["name"]].job_id
+            subprocess.run(["scancel", job], check=True)
+            cancelled["job"] = job
+
+        killer = threading.Thread(target=cancel_one)
+        killer.start()
+        outcome = run_requests(
+            requests, out, model=model_dir, cluster=client, requests_per_unit=3,
+            progress=False, engine="vllm",
+        )  # fmt: skip
+        killer.join()
+        assert "job" in cancelled, "the run ended before a job was cancelled"
+        wait_for(
+            lambda: len(set(client.scheduler_info()["workers"]) - first) >= 1,
+            180,
+            "the replacement job's worker",
+        )
+        joined = sorted(set(client.scheduler_info()["workers"]) - first)
+
+        def table():
+            return dask_pcm.status(client, ["openai-batch-llm"]).set_index("worker")
+
+        wait_for(lambda: (table().reindex(joined)["state"] == "ready").all(), 300, "its engine")
+        row = table().loc[joined[0]]
+        assert row["template_held"] and row["bytes_from_source"] == 0, row.to_dict()
+    got = [
+        json.loads(line)["custom_id"] for line in (out / "output.jsonl").read_text().splitlines()
+    ]
+    assert outcome.failed == 0 and len(got) == 90 and len(set(got)) == 90
