@@ -208,11 +208,7 @@ class CausalLM:
         """Memory a model loaded from ``location`` will take, before loading it: the size of
         its files (the weights dominate). The worker makes that much room first
         (``pcm.worker.context-memory-limit``); 0 when the location cannot be read yet."""
-        try:
-            resolved = resolve_source(EMBEDDED if location is None else location)
-            return sum(p.stat().st_size for p in template_files(resolved))
-        except (OSError, ModelSourceError):
-            return 0
+        return model_bytes(location)
 
     def release(self, lm: LanguageModel) -> None:
         """Drop ``lm``'s model and tokenizer and give their device memory back.
@@ -227,6 +223,16 @@ class CausalLM:
                 lm.prefix_cache.clear()
         if model is not None:
             _discard(model)
+
+
+def model_bytes(location: str | os.PathLike[str] | None) -> int:
+    """The size of the model files at ``location`` (``None``: the embedded model), what its
+    weights take in memory; 0 when the location cannot be read."""
+    try:
+        resolved = resolve_source(EMBEDDED if location is None else location)
+        return sum(p.stat().st_size for p in template_files(resolved))
+    except (OSError, ModelSourceError):
+        return 0
 
 
 def host_memory_budget() -> int:

@@ -34,8 +34,9 @@ from typing import Any, TypeGuard
 
 from dask_pcm import locks
 from dask_pcm.engine.gpu import free_cached_memory
+from dask_pcm.engine.llm import host_memory_budget, model_bytes
 from dask_pcm.exceptions import ContextLoadError, ModelSourceError, PromptTooLongError
-from dask_pcm.templates.sources import EMBEDDED, model_files, resolve_source, template_files
+from dask_pcm.templates.sources import EMBEDDED, model_files, resolve_source
 from dask_pcm.templates.tree import TemplateFiles
 
 __all__ = ["VLLM", "VLLMModel", "is_vllm"]
@@ -178,11 +179,7 @@ class VLLM:
     def estimate_bytes(self, location: str | os.PathLike[str] | None) -> int:
         """Memory an engine from ``location`` takes before it starts: its files' size (the
         KV cache is allocated by vLLM within the share its arguments give)."""
-        try:
-            resolved = resolve_source(EMBEDDED if location is None else location)
-            return sum(p.stat().st_size for p in template_files(resolved))
-        except (OSError, ModelSourceError):
-            return 0
+        return model_bytes(location)
 
     def release(self, model: VLLMModel) -> None:
         """Shut ``model``'s engine down and free its memory (its KV cache and weights)."""
@@ -247,7 +244,7 @@ class VLLMModel:
         self.dtype = str(config.dtype).removeprefix("torch.")
         self.runner = str(config.runner_type)
         self.device = "cpu" if _on_cpu() else "cuda"
-        self._weights = sum(p.stat().st_size for p in template_files(resolve_source(source)))
+        self._weights = model_bytes(source)
         cache = llm.llm_engine.vllm_config.cache_config
         self._kv_bytes = int(getattr(cache, "kv_cache_memory_bytes", None) or 0)
 
@@ -603,9 +600,7 @@ def _worker_threads() -> int:
 def _cpu_kv_bytes(folder: str) -> int:
     """Half of what the worker's memory limit leaves beside this process and the weights,
     between :data:`CPU_KV_CACHE_MIN` and :data:`CPU_KV_CACHE_MAX`, in whole MiB."""
-    from dask_pcm.engine.llm import host_memory_budget
-
-    weights = sum(p.stat().st_size for p in template_files(resolve_source(folder)))
+    weights = model_bytes(folder)
     share = max(host_memory_budget() - weights, 0) // 2
     return max(CPU_KV_CACHE_MIN, min(CPU_KV_CACHE_MAX, share)) >> 20 << 20
 
