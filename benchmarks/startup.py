@@ -23,6 +23,16 @@ What each figure is (seconds; ``*_at`` from the command's start, the others dura
 - ``first_unit_at``, ``last_unit_at``: the progress bar counts the first unit back, and all;
 - ``seconds``: the whole command, until its process exits.
 
+Each round also times the *floor* (``floor_seconds``): a fresh Python process that imports
+torch and transformers, loads the same model (``AutoTokenizer`` and
+``AutoModelForCausalLM.from_pretrained`` from the converted embedded model, float32) and
+runs one forward pass, from its start to its exit: what any first result costs on this
+host, whatever runs it. The command and the floor run back to back in each round, in an
+order drawn from ``--seed`` (``_protocol.schedule``), and the summary gives the ratios
+``first_unit_at / floor_seconds`` and ``seconds / floor_seconds`` per round, with their
+interval: the machines this project runs on differ by about 2x, a ratio to the floor holds
+on both.
+
 ``--quick`` runs one repetition of a smaller grid (``--limit 10 --num-templates 2``).
 
 Examples::
@@ -55,6 +65,7 @@ COLUMNS = [
     ("first_unit_at", "1st unit", ".1f"),
     ("last_unit_at", "last unit", ".1f"),
     ("seconds", "whole run", ".1f"),
+    ("floor_seconds", "floor", ".1f"),
 ]
 FIGURES = [name for name, _, _ in COLUMNS if name != "round"]
 
@@ -76,7 +87,7 @@ def timeline(lines: list[tuple[float, str]]) -> dict[str, float]:
     """The figures of one run (see the module docstring) from its stamped lines."""
     nan = float("nan")
     found: dict[str, Any] = {"imports": {}, "loader": [], "copy": [], "ready": [], "units": []}
-    out = dict.fromkeys(FIGURES, nan)
+    out = dict.fromkeys((name for name in FIGURES if name != "floor_seconds"), nan)
     for at, line in lines:
         if PATTERNS["cluster"].search(line) and out["cluster_at"] != out["cluster_at"]:
             out["cluster_at"] = at
@@ -127,11 +138,33 @@ def command(quick: bool, workers: int, report: Path) -> list[str]:
             "--json", str(report)]  # fmt: skip
 
 
+# The floor: a fresh process that imports torch and transformers, loads the model and runs
+# one forward pass (argv[1]: the model's folder).
+_FLOOR = (
+    "import sys, torch, transformers; "
+    "from transformers import AutoModelForCausalLM, AutoTokenizer; "
+    "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1]); "
+    "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval(); "
+    "batch = tokenizer(['Claim: the floor of a first result is one forward pass. Answer:'], "
+    "return_tensors='pt'); "
+    "torch.inference_mode()(model)(**batch)"
+)
+
+
 def run_once(quick: bool, workers: int, folder: Path) -> dict[str, Any]:
     """One fresh command, timed; raises with its last lines if it fails."""
-    env = {**os.environ, "DASK_LOGGING__DASK_PCM": "info", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    lines, seconds = h.stamped_run(command(quick, workers, folder / "report.json"), env, folder)
+    lines, seconds = h.stamped_run(command(quick, workers, folder / "report.json"), _env(), folder)
     return {**timeline(lines), "seconds": seconds, "load_average": os.getloadavg()[0]}
+
+
+def floor_once(model: Path, folder: Path) -> float:
+    """Seconds of one fresh process that imports, loads ``model`` and runs one pass."""
+    _, seconds = h.stamped_run([sys.executable, "-c", _FLOOR, str(model)], _env(), folder)
+    return seconds
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "DASK_LOGGING__DASK_PCM": "info", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def main() -> None:
@@ -142,24 +175,46 @@ def main() -> None:
         folder = Path(tmp)
         print("warming the caches (one run, not timed)...", flush=True)
         run_once(True, args.workers, folder)
-        for r in range(reps):
-            row = {"round": r, **run_once(args.quick, args.workers, folder)}
+        from dask_pcm.templates.embedded import embedded_model_dir
+
+        model = embedded_model_dir()
+        floor_once(model, folder)
+        rounds: dict[int, dict[str, Any]] = {}
+        for r, variant in _protocol.schedule(["command", "floor"], reps, args.seed):
+            row = rounds.setdefault(r, {"round": r})
+            if variant == "floor":
+                row["floor_seconds"] = floor_once(model, folder)
+                continue
+            row.update(run_once(args.quick, args.workers, folder))
+        for r, row in sorted(rounds.items()):
             rows.append(row)
             print(f"round {r}: first unit at {row['first_unit_at']:.1f} s, whole run "
-                  f"{row['seconds']:.1f} s (load {row['load_average']:.1f})", flush=True)  # fmt: skip
+                  f"{row['seconds']:.1f} s, floor {row['floor_seconds']:.1f} s "
+                  f"(load {row['load_average']:.1f})", flush=True)  # fmt: skip
     print()
     h.print_table(rows, COLUMNS)
-    h.write_json(args.json, rows, reps=reps, summary={"intervals": summary(rows)})
+    intervals = summary(rows)
+    for entry in intervals:
+        if entry["figure"].endswith("_over_floor"):
+            print(f"{entry['figure'].replace('_', ' ')}: {_protocol.format_interval(entry)}")
+    h.write_json(args.json, rows, reps=reps, seed=args.seed, summary={"intervals": intervals})
 
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median and interval of each figure logged in every run (a cached manifest's 0.00 s
-    counted as 1 ms: the interval is on a log scale)."""
-    return [
+    counted as 1 ms: the interval is on a log scale), then the first unit and the whole
+    command over the floor of the same round."""
+    out = [
         {"figure": name, **_protocol.interval([max(r[name], 1e-3) for r in rows])}
         for name in FIGURES
         if all(r[name] == r[name] for r in rows)  # NaN: not logged
     ]
+    floors = [r["floor_seconds"] for r in rows]
+    for name in ("first_unit_at", "seconds"):
+        if all(r[name] == r[name] for r in rows):
+            ratio = _protocol.ratio_interval([r[name] for r in rows], floors)
+            out.append({"figure": f"{name}_over_floor", **ratio})
+    return out
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import dask.config
 import distributed
 from distributed import LocalCluster
 
-from dask_pcm.deploy import with_preload, worker_setup
+from dask_pcm.deploy import forkserver, with_preload, worker_setup
 from dask_pcm.gpus import visible_gpus
 
 
@@ -56,8 +56,11 @@ def local_cluster(
     """A :class:`distributed.LocalCluster` of processes that use :class:`Nanny`.
 
     One thread per worker by default: a model forward pass already uses the cores torch
-    gives it. By default one worker per GPU the process may see (``CUDA_VISIBLE_DEVICES``,
-    else every GPU the driver lists), each bound to its own GPU; without GPUs one per core.
+    gives it. On Linux the workers it starts are forked from one process that imported
+    torch and transformers once (``pcm.worker.fork-server``, :mod:`dask_pcm.deploy.forkserver`);
+    workers added later by ``scale`` or ``adapt``, or restarted by their nanny, are spawned.
+    By default one worker per GPU the process may see (``CUDA_VISIBLE_DEVICES``, else every
+    GPU the driver lists), each bound to its own GPU; without GPUs one per core.
     ``n_workers=0`` starts none, for ``cluster.scale`` or ``cluster.adapt`` to add later.
 
     Examples
@@ -75,5 +78,14 @@ def local_cluster(
     kwargs["scheduler_kwargs"] = scheduler_kwargs
     kwargs.setdefault("worker_class", Nanny)
     kwargs.setdefault("processes", True)
-    with dask.config.set(worker_setup.tick_config()):  # the scheduler reads it as it starts
+    # Started first: its imports run while the scheduler starts.
+    forked = bool(n_workers) and kwargs["processes"] and forkserver.start()
+    if forked:
+        # A forked worker has the server's environment, frozen when it started; a spawned
+        # one has this process's as it is now. The nanny sets these in its worker.
+        kwargs["env"] = {**os.environ, **(kwargs.get("env") or {})}
+    with (
+        dask.config.set(worker_setup.tick_config()),  # the scheduler reads it as it starts
+        forkserver.method(forked),  # the nannies read it as they start their workers
+    ):
         return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, **kwargs)

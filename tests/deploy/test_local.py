@@ -141,3 +141,51 @@ def test_workers_of_one_host_share_one_template_copy_and_import_torch_as_they_st
         fetched = sorted(table["bytes_from_source"] + table["bytes_from_peers"])
         assert fetched == [0, build_manifest(tiny_model_dir)[0].total_bytes]  # one copy made
     assert _copies(shared) == []  # removed by its last user, as the workers' own folders are
+
+
+def _process() -> dict:
+    """On a worker: who started its process, and what a spawned worker would have."""
+    import sys
+
+    import torch
+
+    return {
+        "parent": os.getppid(),
+        "threads": torch.get_num_threads(),
+        "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+        "hash": hash("dask_pcm"),  # PYTHONHASHSEED: workers of one cluster hash alike
+        "marker": os.environ.get("PCM_TEST_SET_AFTER_SERVER"),
+        "modeling_utils": "transformers.modeling_utils" in sys.modules,
+    }
+
+
+def test_local_cluster_forks_its_workers_from_one_process_that_imported_torch(monkeypatch):
+    """Every worker process used to import torch and transformers by itself as it started,
+    the workers of a host at once on the cores they share. Forked workers must look like
+    spawned ones: one torch thread, no malloc trim, the nanny's hash seed, and the
+    environment this process has now, not the one the server started with."""
+    with dask_pcm.local_cluster(n_workers=2, dashboard_address=":0") as lc, Client(lc) as client:
+        forked = list(client.run(_process).values())
+        monkeypatch.setenv("PCM_TEST_SET_AFTER_SERVER", "seen")  # after the server started
+        lc.scale(3)  # added later: spawned
+        client.wait_for_workers(3)
+        everyone = list(client.run(_process).values())
+    with (
+        dask.config.set({"pcm.worker.fork-server": False}),
+        dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        spawned = list(client.run(_process).values())
+    with dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc, Client(lc) as client:
+        forked_later = list(client.run(_process).values())
+    # Forked: by one server (not this process), with what from_pretrained needs imported.
+    assert len({w["parent"] for w in forked}) == 1
+    assert forked[0]["parent"] != os.getpid()
+    assert all(w["modeling_utils"] for w in forked)
+    assert forked_later[0]["parent"] == forked[0]["parent"]  # the same server, still up
+    assert forked_later[0]["marker"] == "seen"
+    assert spawned[0]["parent"] == os.getpid()
+    assert sorted(w["parent"] for w in everyone).count(os.getpid()) == 1
+    for w in [*everyone, *spawned, *forked_later]:
+        assert (w["threads"], w["malloc_trim"], w["hash"]) == (1, None, spawned[0]["hash"])
+    assert dask.config.get("distributed.worker.multiprocessing-method") == "spawn"
