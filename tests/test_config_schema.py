@@ -64,13 +64,13 @@ def test_a_mistyped_key_is_reported_with_the_closest_setting() -> None:
             "batch": {"flush_intervl": "10s", "flush_interval": "5s"},  # `_` reads as `-`
             "btach": {"segment-rows": 10},  # an unknown section: each key under it
             "fever": {"segment-rows": 10, "truncate": True},  # a deprecated alias, a setting
-            "worker": {"preemption-signals": ["SIGTERM"], "zzz": 1},
+            "worker": {"preemption-signals": ["SIGTERM"], "zzzzzzzzzz": 1},
         }
     }
     assert config.unknown_keys(user) == [
         ("pcm.batch.flush_intervl", "pcm.batch.flush-interval"),
         ("pcm.btach.segment-rows", "pcm.batch.segment-rows"),
-        ("pcm.worker.zzz", None),
+        ("pcm.worker.zzzzzzzzzz", None),
     ]
     with pytest.warns(UserWarning) as caught:
         config.warn_unknown_keys(user)
@@ -79,7 +79,7 @@ def test_a_mistyped_key_is_reported_with_the_closest_setting() -> None:
         "did you mean pcm.batch.flush-interval?",
         "pcm.btach.segment-rows is not a dask_pcm setting and is ignored: "
         "did you mean pcm.batch.segment-rows?",
-        f"pcm.worker.zzz is not a dask_pcm setting and is ignored: "
+        f"pcm.worker.zzzzzzzzzz is not a dask_pcm setting and is ignored: "
         f"the settings are in {PACKAGE / 'pcm.yaml'}",
     ]
     assert config.unknown_keys({"pcm": DEFAULTS["pcm"]}) == []
