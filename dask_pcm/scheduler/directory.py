@@ -6,8 +6,9 @@ they can fetch another chunk, and report what they hold (:meth:`ChunkDirectory.h
 :mod:`dask_pcm.templates.fetch`. The plan spreads the work the way a pipelined broadcast
 does: the source is read a few chunks at a time (a *lease* per chunk), so whole chunks come
 out of it early, one after another; each chunk someone holds is planned from its least busy
-holder, never one already serving ``pcm.template.max-uploads``, rarest chunks first, so
-every new holder starts passing its chunks on at once. A worker that served a chunk with the
+holder, never one already uploading to ``pcm.template.max-uploads`` other peers (a peer
+takes as many chunks from one holder as its window holds: it sizes that to its link), rarest
+chunks first, so every new holder starts passing its chunks on at once. A worker that served a chunk with the
 wrong bytes is not offered for that chunk again. ``benchmarks/scale_out.py --simulate``
 shows what this gives at 256 workers.
 """
@@ -29,8 +30,9 @@ from dask_pcm import config
 logger = logging.getLogger(__name__)
 
 # Chunks one worker may be reading from a template's source at once (all SOURCE_READS when
-# it is the only worker without the template: a reader alone then keeps the source busy
-# while it writes what it read), chunks all workers together may be reading from it at
+# it is the only worker copying the template: a reader alone then keeps the source busy
+# while it writes what it read; workers that wait for another's copy on their host, or
+# hold the template, do not count), chunks all workers together may be reading from it at
 # once, and how long such a lease lasts before another worker may take the chunk. Few
 # readers at a time make the source deliver whole chunks early, one after another, for
 # peers to pass on while it reads the next; many at once would share its bandwidth and
@@ -52,8 +54,8 @@ class ChunkDirectory:
     connected
         The connected workers' addresses (reports from others are ignored).
     max_uploads
-        Uploads planned from one holder at once (``pcm.template.max-uploads``, what a worker
-        serves at once): a chunk whose holders are all that busy waits for the next plan.
+        Peers planned uploads from one holder at once (``pcm.template.max-uploads``): a chunk
+        whose holders all upload to that many other peers waits for the next plan.
     """
 
     def __init__(
@@ -69,10 +71,14 @@ class ChunkDirectory:
         self.leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
-        # Uploads planned and not yet reported done: worker -> {index: holder}, and the
-        # number per holder.
+        # Uploads planned and not yet reported done: worker -> {index: holder}; per holder,
+        # the peers it has uploads planned to (its load is their number) and how many each.
         self.planned: dict[str, dict[str, dict[int, str]]] = {}
         self.load: dict[str, Counter[str]] = {}
+        self.uploading: dict[str, dict[str, Counter[str]]] = {}
+        # Workers asking for plans of a template, and when they last did (a worker that has
+        # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
+        self.copying: dict[str, dict[str, float]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
         self._changed: dict[str, asyncio.Event] = {}
 
@@ -121,13 +127,15 @@ class ChunkDirectory:
         Returns ``{"peers": {index: [workers]}, "source": [indexes]}``. Chunks someone holds
         (whole copies and partial ones) come first, the rarest first, each from the least
         loaded of its holders (then up to two others, in case it fails); a holder with
-        ``max_uploads`` uploads planned is not offered until one is done. Chunks nobody holds
-        or reads get a source lease: at most :data:`SOURCE_LEASES` per worker (all of
-        :data:`SOURCE_READS` when every other worker holds the template) and
-        :data:`SOURCE_READS` per template at once. A lease lapses after
+        uploads planned to ``max_uploads`` other peers is not offered until one is done.
+        Chunks nobody holds or reads get a source lease: at most :data:`SOURCE_LEASES` per
+        worker (all of :data:`SOURCE_READS` when no other worker is copying the template)
+        and :data:`SOURCE_READS` per template at once. A lease lapses after
         :data:`LEASE_SECONDS` or when its worker leaves.
         """
         now = time.time()
+        copying = self.copying.setdefault(digest, {})
+        copying[worker] = now
         limit = len(missing) if limit is None else limit
         whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
@@ -141,6 +149,7 @@ class ChunkDirectory:
             for index in [i for i in mine_planned if i in wanted]:
                 self._done(digest, worker, index)
         load = self.load.setdefault(digest, Counter())
+        uploading = self.uploading.setdefault(digest, {})
         # Rarest first, ties in random order (holder counts before bad ones and the asker
         # are taken out: a guide).
         count = {i: len(holders.get(i, ())) for i in missing}
@@ -158,17 +167,27 @@ class ChunkDirectory:
             if not who:
                 nobody.append(index)
                 continue
-            free = [w for w in who if load[w] < self.max_uploads]
+            # A holder already uploading to this worker takes more of its chunks: the
+            # worker's window, not the directory, says how many its link wants at once.
+            free = [w for w in who if load[w] < self.max_uploads or worker in uploading.get(w, ())]
             if free:
                 offered = heapq.nsmallest(
-                    PEERS_OFFERED, free, key=lambda w: (load[w], random.random())
+                    PEERS_OFFERED,
+                    free,
+                    key=lambda w: (load[w], uploading.get(w, Counter())[worker], random.random()),
                 )
                 peers[index] = offered
-                mine_planned[index] = offered[0]
-                load[offered[0]] += 1
+                mine_planned[index] = holder = offered[0]
+                to = uploading.setdefault(holder, Counter())
+                if not to[worker]:
+                    load[holder] += 1
+                to[worker] += 1
         source: list[int] = []
-        # Every other worker holds a whole copy (or there is none): nobody to pass chunks to.
-        alone = not set(self.connected()) - whole - {worker}
+        # No other worker is copying it (the others hold it whole, or wait for a copy on
+        # their host): nobody to pass chunks to.
+        alone = not {w for w, asked in copying.items() if asked > now - LEASE_SECONDS} & set(
+            self.connected()
+        ) - whole - {worker}
         mine = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
             if len(peers) + len(source) >= limit:
@@ -185,6 +204,14 @@ class ChunkDirectory:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
         holder = self.planned.get(digest, {}).get(worker, {}).pop(index, None)
         if holder is not None:
+            self._unplan(digest, holder, worker)
+
+    def _unplan(self, digest: str, holder: str, worker: str) -> None:
+        """One upload planned from ``holder`` to ``worker`` is over."""
+        to = self.uploading[digest][holder]
+        to[worker] -= 1
+        if to[worker] <= 0:
+            del to[worker]
             self.load[digest][holder] -= 1
 
     def have(
@@ -240,9 +267,12 @@ class ChunkDirectory:
                 del leases[index]
         for digest, planned in self.planned.items():
             for holder in planned.pop(worker, {}).values():
-                self.load[digest][holder] -= 1
+                self._unplan(digest, holder, worker)
             for from_holders in planned.values():
                 for index in [i for i, holder in from_holders.items() if holder == worker]:
                     del from_holders[index]
             self.load[digest].pop(worker, None)
+            self.uploading.get(digest, {}).pop(worker, None)
+        for copying in self.copying.values():
+            copying.pop(worker, None)
         self._notify()

@@ -25,6 +25,8 @@ def test_the_source_is_leased_a_few_chunks_at_a_time_and_lost_holders_are_forgot
     directory = make()
     plan, have = directory.plan, directory.have
     everything = [0, 1, 2, 3, 4, 5]
+    for worker in "abc":  # three workers copy the template
+        plan("d", worker, [])
     assert plan("d", "a", everything) == {"peers": {}, "source": [0, 1]}  # 2 per worker
     assert plan("d", "b", everything) == {"peers": {}, "source": [2, 3]}
     # 4 chunks of the template are being read: nobody reads another until one is in.
@@ -108,11 +110,31 @@ def test_source_reads_per_template_are_bounded(monkeypatch, reads):
 
 def test_a_worker_alone_reads_the_source_as_fast_as_all_together(monkeypatch):
     # One lease each while others copy the template too (each chunk out of the source as
-    # early as possible, for them to pass on); all of them for the only worker without it,
+    # early as possible, for them to pass on); all of them for the only worker copying it,
     # so that the source is read while the worker writes what it read.
     monkeypatch.setattr(chunk_directory, "SOURCE_LEASES", 1)
     monkeypatch.setattr(chunk_directory, "SOURCE_READS", 2)
     assert make("a").plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0, 1]}
     together = make("ab")
+    together.plan("d", "b", [])  # b copies it too
     assert together.plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0]}
     assert together.plan("d", "b", [0, 1, 2]) == {"peers": {}, "source": [1]}
+    # b is connected but never asks (it waits for a copy on a's host): a is alone.
+    host = make("ab")
+    assert host.plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0, 1]}
+
+
+def test_a_holder_serves_a_peer_as_many_chunks_as_it_asks_but_few_peers():
+    directory = make("abcd", whole={"a"}, max_uploads=2)
+    # One peer's window takes four chunks from the one holder: one peer, not four uploads.
+    assert directory.plan("d", "b", [0, 1, 2, 3], limit=4)["peers"] == {i: ["a"] for i in range(4)}
+    assert directory.load["d"]["a"] == 1
+    assert sorted(directory.plan("d", "c", [0, 1], limit=2)["peers"]) == [0, 1]
+    assert directory.load["d"]["a"] == 2
+    # A third peer waits: the holder uploads to two already.
+    assert directory.plan("d", "d", [0], limit=1) == {"peers": {}, "source": []}
+    directory.have("d", "b", [0, 1, 2])
+    assert directory.load["d"]["a"] == 2  # b still has chunk 3 planned from a
+    directory.have("d", "b", [3])
+    assert directory.load["d"]["a"] == 1
+    assert directory.plan("d", "d", [0], limit=1)["peers"][0][0] in {"a", "b"}
