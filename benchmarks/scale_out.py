@@ -82,9 +82,12 @@ SIM_COLUMNS = [
 
 TRANSFER_COLUMNS = [
     ("chunk_mib", "chunk_MiB", "d"),
-    ("template_mb", "template_MB", ".0f"),
-    ("mb_per_s", "MB/s", ".0f"),
-    ("first_mb_per_s", "first_MB/s", ".0f"),
+    ("round", "round", "d"),
+    ("mb_per_s", "copy_MB/s", ".0f"),
+    ("verified_loopback_mb_per_s", "verified_MB/s", ".0f"),
+    ("raw_loopback_mb_per_s", "raw_MB/s", ".0f"),
+    ("of_verified_loopback", "copy/verified", ".2f"),
+    ("peak_window", "window_max", "d"),
     ("peak_extra_rss_mb", "peak_extra_RSS_MB", ".0f"),
 ]
 
@@ -127,17 +130,6 @@ def loopback_rate(nbytes: int, block: int = 1 << 20, verify: bool = False) -> fl
     b.close()
     assert got == nbytes
     return nbytes / seconds
-
-
-def loopback(nbytes: int, repeats: int = 3) -> dict:
-    """The best of ``repeats`` raw and verified loopback copies (bytes per second)."""
-    return {
-        "loopback_mb_per_s": max(loopback_rate(nbytes) for _ in range(repeats)) / 1e6,
-        "verified_loopback_mb_per_s": max(
-            loopback_rate(nbytes, verify=True) for _ in range(repeats)
-        )
-        / 1e6,
-    }
 
 
 def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
@@ -255,18 +247,24 @@ async def _fetch_sampled(manifest_json: str, dest: str, dask_worker=None) -> dic
         "bytes_from_peers": report.bytes_from_peers,
         "base_rss": base,
         "peak_extra_rss": peak[0] - base,
+        "window": report.window,
+        "peak_window": report.peak_window,
     }
 
 
-def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
-    """One worker copies the whole template from another, nothing else running.
+def transfer_alone(model: str, chunk_mib: int, rounds: int = 5, seed: int = 0) -> list[dict]:
+    """One worker copies the whole template from another, nothing else running, interleaved
+    with a raw and a verified loopback socket copy of the same bytes.
 
-    Returns the best rate of ``rounds`` copies, the first copy's (into pages the process
-    has not touched yet, as a worker joining a cluster copies), and the largest RSS growth
-    of the copying worker during any of them (what the copy holds at once: the chunks in
-    flight).
+    ``rounds`` rounds, each running the copy, the raw and the verified loopback once, in an
+    order drawn from ``seed`` (:func:`_protocol.schedule`), so that a slow minute on this
+    shared machine lands on all three alike; one row per round, with each one's rate and the
+    copying worker's largest RSS growth (what the copy holds at once: the chunks in flight
+    and those being written). The first round's copy is into pages the process has not
+    touched yet, as a worker joining a cluster copies.
     """
     manifest, root = build_manifest(model, chunk_mib << 20)
+    rows = {r: {"round": r, "chunk_mib": chunk_mib} for r in range(rounds)}
     with (
         dask_pcm.local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
         Client(cl) as client,
@@ -276,20 +274,49 @@ def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
         client.run(_hold, manifest.to_json(), str(root), workers=[holder])
         client.run(_announce, manifest.digest, manifest.nchunks, workers=[holder])
         dest = Path(client.run(lambda dask_worker=None: dask_worker.local_directory)[joiner])
-        runs = [
-            client.run(
-                _fetch_sampled, manifest.to_json(), str(dest / f"copy-{i}"), workers=[joiner]
-            )[joiner]
-            for i in range(rounds)
-        ]
-    assert all(r["bytes_from_peers"] == manifest.total_bytes for r in runs), runs
-    return {
-        "chunk_mib": chunk_mib,
-        "template_mb": manifest.total_bytes / 1e6,
-        "mb_per_s": manifest.total_bytes / min(r["seconds"] for r in runs) / 1e6,
-        "first_mb_per_s": manifest.total_bytes / runs[0]["seconds"] / 1e6,
-        "peak_extra_rss_mb": max(r["peak_extra_rss"] for r in runs) / 1e6,
-    }
+        for rnd, variant in P.schedule(["copy", "raw", "verified"], rounds, seed):
+            row = rows[rnd]
+            if variant == "copy":
+                run = client.run(
+                    _fetch_sampled, manifest.to_json(), str(dest / f"copy-{rnd}"), workers=[joiner]
+                )[joiner]
+                assert run["bytes_from_peers"] == manifest.total_bytes, run
+                row["mb_per_s"] = manifest.total_bytes / run["seconds"] / 1e6
+                row["peak_extra_rss_mb"] = run["peak_extra_rss"] / 1e6
+                row["window"], row["peak_window"] = run["window"], run["peak_window"]
+            else:
+                rate = loopback_rate(manifest.total_bytes, verify=variant == "verified")
+                row[f"{variant}_loopback_mb_per_s"] = rate / 1e6
+    out = [rows[r] for r in range(rounds)]
+    for row in out:
+        row["template_mb"] = manifest.total_bytes / 1e6
+        row["of_verified_loopback"] = row["mb_per_s"] / row["verified_loopback_mb_per_s"]
+        row["of_loopback"] = row["mb_per_s"] / row["raw_loopback_mb_per_s"]
+    return out
+
+
+def summarise_transfers(rows: list[dict]) -> list[dict]:
+    """Per chunk size: the copy's, the raw and the verified loopback's rate, and the copy
+    over the verified loopback paired by round, each a median and 95 % interval."""
+    out = []
+    for mib in sorted({r["chunk_mib"] for r in rows}):
+        mine = sorted((r for r in rows if r["chunk_mib"] == mib), key=lambda r: r["round"])
+        copy = [r["mb_per_s"] for r in mine]
+        verified = [r["verified_loopback_mb_per_s"] for r in mine]
+        raw = [r["raw_loopback_mb_per_s"] for r in mine]
+        for metric, values in (
+            ("copy_mb_per_s", copy),
+            ("verified_loopback_mb_per_s", verified),
+            ("raw_loopback_mb_per_s", raw),
+        ):
+            out.append({"metric": metric, "chunk_mib": mib, **P.interval(values)})
+        ratio = P.ratio_interval(copy, verified)
+        ratio["of_medians"] = P.interval(copy)["median"] / P.interval(verified)["median"]
+        out.append({"metric": "copy_over_verified_loopback", "chunk_mib": mib, **ratio})
+        out.append(
+            {"metric": "copy_over_raw_loopback", "chunk_mib": mib, **P.ratio_interval(copy, raw)}
+        )
+    return out
 
 
 def simulated(args: argparse.Namespace) -> None:
@@ -401,6 +428,12 @@ def main() -> None:
         action="store_true",
         help="only the copy between two workers alone: rate and memory held, per chunk size",
     )
+    p.add_argument(
+        "--transfer-rounds",
+        type=int,
+        default=5,
+        help="rounds of the copy alone, each with a raw and a verified loopback (default 5)",
+    )
     p.add_argument("--simulate", action="store_true", help="the broadcast in simulated time")
     p.add_argument("--template-gb", type=float, default=3.4, help="--simulate: template size")
     p.add_argument("--chunk-mib", type=float, default=None,
@@ -439,9 +472,12 @@ def main() -> None:
     reps = P.repetitions(args.quick, args.repetitions)
     rows: list[dict] = []
     with h._worker_environ():
-        transfers = [transfer_alone(model, mib) for mib in ((64,) if args.quick else (16, 64))]
-        # The baseline in the same run, right after the copies it is compared with.
-        loop = loopback(manifest.total_bytes)
+        # The baselines in the same rounds as the copies they are compared with.
+        transfers = [
+            row
+            for mib in ((64,) if args.quick else (16, 64))
+            for row in transfer_alone(model, mib, max(2, args.transfer_rounds), args.seed)
+        ]
         variants = [] if args.transfer_only else [f"{m}@{n}" for n in sizes for m in MODES]
         for rnd, variant in P.schedule(variants, reps, args.seed):
             mode, _, n_text = variant.partition("@")
@@ -455,23 +491,22 @@ def main() -> None:
     rows.sort(key=lambda r: (r["round"], r["n"], r["mode"]))
     if rows:
         h.print_table(rows, [("round", "round", "d"), *COLUMNS])
-    print("\none worker copying the template from another, nothing else running:")
-    h.print_table(transfers, TRANSFER_COLUMNS)
-    raw, verified = loop["loopback_mb_per_s"], loop["verified_loopback_mb_per_s"]
     print(
-        f"loopback socket copy of {manifest.total_bytes / 1e6:.0f} MB (best of 3): raw "
-        f"{raw:.0f} MB/s, with SHA-256 of what is received {verified:.0f} MB/s"
+        "\none worker copying the template from another, nothing else running, each round "
+        "with a loopback socket copy of the same bytes (raw, and with SHA-256 of what is "
+        "received: verified):"
     )
-    for t in transfers:
-        t["of_loopback"] = t["mb_per_s"] / raw
-        t["of_verified_loopback"] = t["mb_per_s"] / verified
+    h.print_table(transfers, TRANSFER_COLUMNS)
+    transfer_summary = summarise_transfers(transfers)
+    for entry in transfer_summary:
         print(
-            f"chunks of {t['chunk_mib']} MiB: {t['of_loopback']:.2f} of raw loopback, "
-            f"{t['of_verified_loopback']:.2f} of verified loopback (first copy "
-            f"{t['first_mb_per_s'] / raw:.2f}); memory held "
-            f"{t['peak_extra_rss_mb'] / (t['chunk_mib'] * 1.048576):.1f} chunks, "
-            f"{t['peak_extra_rss_mb'] / t['template_mb']:.2f} of the template"
+            f"  chunks of {entry['chunk_mib']} MiB, {entry['metric'].replace('_', ' ')}: "
+            f"{P.format_interval(entry, '.2f' if 'over' in entry['metric'] else '.0f')}"
+            + (f" (median over median {entry['of_medians']:.2f})" if "of_medians" in entry else "")
         )
+    for mib in sorted({t["chunk_mib"] for t in transfers}):
+        held = max(t["peak_extra_rss_mb"] for t in transfers if t["chunk_mib"] == mib)
+        print(f"  chunks of {mib} MiB: memory held at most {held / (mib * 1.048576):.1f} chunks")
     summary = summarise(rows)
     for entry in summary:
         if entry["metric"] != "seconds":
@@ -482,7 +517,11 @@ def main() -> None:
         args.json,
         rows,
         reps=reps,
-        summary={"intervals": summary, "transfer_alone": transfers, "loopback": loop},
+        summary={
+            "intervals": summary,
+            "transfer_alone": transfers,
+            "transfer_intervals": transfer_summary,
+        },
         seed=args.seed,
         source_mb_per_s=rate / 1e6,
         template_mb=manifest.total_bytes / 1e6,
@@ -512,6 +551,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             series("source", n, "held_seconds"), series("p2p", n, "held_seconds")
         )
         out.append({"metric": "source_over_p2p_held", "n": n, **held})
+        behind = P.ratio_interval(
+            series("p2p", n, "held_seconds"), series("source", n, "held_seconds")
+        )
+        out.append({"metric": "p2p_over_source_held", "n": n, **behind})
         if 1 in sizes and n > 1:
             growth = P.ratio_interval(
                 series("p2p", n, "held_seconds"), series("p2p", 1, "held_seconds")
