@@ -96,7 +96,8 @@ class ChunkDirectory:
 
         Workers that ask this way hear of a chunk they can have at once, instead of asking
         again and again (each ask costs the scheduler a plan) or pausing longer between
-        asks (which delays the copy).
+        asks (which delays the copy). The answer also says whether other workers copy the
+        template too (``"together"``).
         """
         answer = self.plan(digest, worker, missing, limit)
         loop = asyncio.get_running_loop()
@@ -109,6 +110,9 @@ class ChunkDirectory:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), left)
             answer = self.plan(digest, worker, missing, limit)
+        # Copies together keep few chunks queued on the links they share, so that each
+        # chunk is passed on soon; a copy alone sizes its window to its link.
+        answer["together"] = self.others_copying(digest, worker)
         return answer
 
     def _notify(self, digest: str | None = None) -> None:
@@ -167,27 +171,24 @@ class ChunkDirectory:
             if not who:
                 nobody.append(index)
                 continue
-            # A holder already uploading to this worker takes more of its chunks: the
-            # worker's window, not the directory, says how many its link wants at once.
-            free = [w for w in who if load[w] < self.max_uploads or worker in uploading.get(w, ())]
+            # A holder uploading to this worker alone may take more of its chunks than
+            # max_uploads: the worker's window, not the directory, says how many its link
+            # wants at once. Shared between peers, few at a time pass each chunk on sooner.
+            free = [w for w in who if load[w] < self.max_uploads or _only(uploading, w, worker)]
             if free:
                 offered = heapq.nsmallest(
                     PEERS_OFFERED,
                     free,
-                    key=lambda w: (load[w], uploading.get(w, Counter())[worker], random.random()),
+                    key=lambda w: (load[w], random.random()),
                 )
                 peers[index] = offered
                 mine_planned[index] = holder = offered[0]
-                to = uploading.setdefault(holder, Counter())
-                if not to[worker]:
-                    load[holder] += 1
-                to[worker] += 1
+                uploading.setdefault(holder, Counter())[worker] += 1
+                load[holder] += 1
         source: list[int] = []
         # No other worker is copying it (the others hold it whole, or wait for a copy on
         # their host): nobody to pass chunks to.
-        alone = not {w for w, asked in copying.items() if asked > now - LEASE_SECONDS} & set(
-            self.connected()
-        ) - whole - {worker}
+        alone = not self.others_copying(digest, worker, whole)
         mine = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
             if len(peers) + len(source) >= limit:
@@ -200,6 +201,14 @@ class ChunkDirectory:
                 mine += 1
         return {"peers": peers, "source": source}
 
+    def others_copying(self, digest: str, worker: str, whole: set[str] | None = None) -> bool:
+        """Whether workers other than ``worker`` are copying the template now: they asked
+        for a plan within :data:`LEASE_SECONDS`, are connected and do not hold it whole."""
+        whole = self.whole_copies(digest) if whole is None else whole
+        since = time.time() - LEASE_SECONDS
+        asking = {w for w, asked in self.copying.get(digest, {}).items() if asked > since}
+        return bool(asking - whole - {worker} & set(self.connected()))
+
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
         holder = self.planned.get(digest, {}).get(worker, {}).pop(index, None)
@@ -208,11 +217,11 @@ class ChunkDirectory:
 
     def _unplan(self, digest: str, holder: str, worker: str) -> None:
         """One upload planned from ``holder`` to ``worker`` is over."""
+        self.load[digest][holder] -= 1
         to = self.uploading[digest][holder]
         to[worker] -= 1
         if to[worker] <= 0:
             del to[worker]
-            self.load[digest][holder] -= 1
 
     def have(
         self,
@@ -276,3 +285,9 @@ class ChunkDirectory:
         for copying in self.copying.values():
             copying.pop(worker, None)
         self._notify()
+
+
+def _only(uploading: dict[str, Counter[str]], holder: str, worker: str) -> bool:
+    """Whether ``worker`` is the one peer ``holder`` has uploads planned to."""
+    to = uploading.get(holder)
+    return to is not None and to.keys() == {worker}

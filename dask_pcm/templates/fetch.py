@@ -331,6 +331,10 @@ async def fetch(
                 for index, peers in work:
                     running[index] = asyncio.ensure_future(get(index, peers))
                 started = len(work)
+                if plan.get("together"):
+                    window.shared(loop.time())
+                elif started < free:
+                    window.starved(loop.time())
             if not running:  # every chunk left is being read by someone else
                 await asyncio.sleep(idle)
                 idle = min(2 * idle, _MAX_IDLE_WAIT)

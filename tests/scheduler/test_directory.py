@@ -89,12 +89,13 @@ def test_a_waiting_plan_returns_as_soon_as_a_chunk_is_held():
         assert not waiting.done()  # every chunk c wants is being read by someone else
         directory.have("d", "a", [1])
         answer = await asyncio.wait_for(waiting, 5)
-        assert answer == {"peers": {1: ["a"]}, "source": []}
+        assert answer == {"peers": {1: ["a"]}, "source": [], "together": True}
         assert loop.time() - start < 5
         # With nothing to plan, it gives up after ``wait``, with an empty plan.
         assert await directory.plan_waiting("d", "e", [0], 1, wait=0.1) == {
             "peers": {},
             "source": [],
+            "together": True,  # a, b and c copy the template too
         }
 
     asyncio.run(main())
@@ -124,17 +125,17 @@ def test_a_worker_alone_reads_the_source_as_fast_as_all_together(monkeypatch):
     assert host.plan("d", "a", [0, 1, 2]) == {"peers": {}, "source": [0, 1]}
 
 
-def test_a_holder_serves_a_peer_as_many_chunks_as_it_asks_but_few_peers():
+def test_a_holder_serving_one_peer_alone_gives_it_as_many_chunks_as_it_asks():
     directory = make("abcd", whole={"a"}, max_uploads=2)
-    # One peer's window takes four chunks from the one holder: one peer, not four uploads.
+    # One peer's window takes four chunks from the one holder: nobody else wants them.
     assert directory.plan("d", "b", [0, 1, 2, 3], limit=4)["peers"] == {i: ["a"] for i in range(4)}
-    assert directory.load["d"]["a"] == 1
-    assert sorted(directory.plan("d", "c", [0, 1], limit=2)["peers"]) == [0, 1]
-    assert directory.load["d"]["a"] == 2
-    # A third peer waits: the holder uploads to two already.
-    assert directory.plan("d", "d", [0], limit=1) == {"peers": {}, "source": []}
+    assert directory.load["d"]["a"] == 4
+    # Shared between peers, the holder takes no more than max_uploads at once.
+    assert directory.plan("d", "c", [0, 1], limit=2) == {"peers": {}, "source": []}
     directory.have("d", "b", [0, 1, 2])
-    assert directory.load["d"]["a"] == 2  # b still has chunk 3 planned from a
-    directory.have("d", "b", [3])
-    assert directory.load["d"]["a"] == 1
-    assert directory.plan("d", "d", [0], limit=1)["peers"][0][0] in {"a", "b"}
+    assert directory.load["d"]["a"] == 1  # b still has chunk 3 planned from a
+    plan = directory.plan("d", "c", [0, 1, 4], limit=3)["peers"]
+    # One more from a (up to max_uploads), the others from b, which holds 0 to 2.
+    assert sorted(plan) == [0, 1, 4]
+    assert (plan[4][0], plan[0][0], plan[1][0]) == ("a", "b", "b")
+    assert directory.load["d"]["a"] == 2
