@@ -406,6 +406,8 @@ def _scale_out_simulated(folder: Path) -> Block:
             ["fit, source alone", f"{c:.2f} + {d:.2f} · N s"],
             [f"busiest peer's uploads at N={top}", f"{p2p[top]['max_upload_gb']:.1f} GB"],
             [f"directory, real scheduler s over the N={top} run", num(p2p[top]["scheduler_seconds"])],
+            *([["the whole simulation, real s", num(src.summary["real_seconds"], ".0f")]]
+              if "real_seconds" in (src.summary or {}) else []),
         ],
         "lr",
     )  # fmt: skip
