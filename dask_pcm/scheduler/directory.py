@@ -16,6 +16,7 @@ shows what this gives at 256 workers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import logging
@@ -42,6 +43,10 @@ SOURCE_READS = 2
 LEASE_SECONDS = 120.0
 # Peers offered per chunk: the least loaded first, the others in case it fails.
 PEERS_OFFERED = 3
+# Holders of a chunk weighed against each other for one plan, at most (drawn at random).
+HOLDERS_WEIGHED = 16
+# Waiting plans woken by one change (a chunk held, an upload or a lease done).
+WOKEN_PER_CHANGE = 4
 
 
 class ChunkDirectory:
@@ -80,7 +85,8 @@ class ChunkDirectory:
         # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
         self.copying: dict[str, dict[str, float]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
-        self._changed: dict[str, asyncio.Event] = {}
+        # Plans waiting for a change, per digest, the longest waiting first.
+        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
 
     async def plan_waiting(
         self,
@@ -106,9 +112,10 @@ class ChunkDirectory:
             left = deadline - loop.time()
             if left <= 0:
                 break
-            changed = self._changed.setdefault(digest, asyncio.Event())
+            changed = loop.create_future()
+            self._waiting.setdefault(digest, collections.deque()).append(changed)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+                await asyncio.wait_for(changed, left)
             answer = self.plan(digest, worker, missing, limit)
         # Copies together keep few chunks queued on the links they share, so that each
         # chunk is passed on soon; a copy alone sizes its window to its link.
@@ -116,11 +123,24 @@ class ChunkDirectory:
         return answer
 
     def _notify(self, digest: str | None = None) -> None:
-        """Wake the plans waiting on ``digest`` (None: on every template)."""
-        for key in list(self._changed) if digest is None else [digest]:
-            event = self._changed.pop(key, None)
-            if event is not None:
-                event.set()
+        """Wake the :data:`WOKEN_PER_CHANGE` plans waiting longest on ``digest`` (None:
+        every plan, on every template: a worker left).
+
+        A change (a chunk held, an upload done) gives one or two workers something to
+        fetch; waking every waiting plan for it would have each plan again (N plans per
+        change at N workers, most of them for nothing), and the scheduler's time would
+        grow as N squared. The others wait for the next change, which comes soon where
+        many copy, or their ``wait``."""
+        for key in list(self._waiting) if digest is None else [digest]:
+            waiting = self._waiting.get(key)
+            woken = 0
+            while waiting and (digest is None or woken < WOKEN_PER_CHANGE):
+                future = waiting.popleft()
+                if not future.done():
+                    future.set_result(None)
+                    woken += 1
+            if not waiting:
+                self._waiting.pop(key, None)
 
     def plan(
         self, digest: str, worker: str, missing: list[int], limit: int | None = None
@@ -171,6 +191,10 @@ class ChunkDirectory:
             if not who:
                 nobody.append(index)
                 continue
+            if len(who) > HOLDERS_WEIGHED:
+                # The least loaded of a random few: as good a spread as all of them (the
+                # power of a few choices), at a cost per plan that does not grow with N.
+                who = set(random.sample(list(who), HOLDERS_WEIGHED))
             # A holder uploading to this worker alone may take more of its chunks than
             # max_uploads: the worker's window, not the directory, says how many its link
             # wants at once. Shared between peers, few at a time pass each chunk on sooner.
@@ -186,14 +210,15 @@ class ChunkDirectory:
                 uploading.setdefault(holder, Counter())[worker] += 1
                 load[holder] += 1
         source: list[int] = []
-        # No other worker is copying it (the others hold it whole, or wait for a copy on
-        # their host): nobody to pass chunks to.
-        alone = not self.others_copying(digest, worker, whole)
+        # Past SOURCE_LEASES, only a worker that nobody else copies the template with (the
+        # others hold it whole, or wait for a copy on their host): nobody to pass chunks to.
         mine = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
-            if len(peers) + len(source) >= limit:
+            if len(peers) + len(source) >= limit or len(leases) >= SOURCE_READS:
                 break
-            if mine >= (SOURCE_READS if alone else SOURCE_LEASES) or len(leases) >= SOURCE_READS:
+            if mine >= SOURCE_LEASES and (
+                mine >= SOURCE_READS or self.others_copying(digest, worker, whole)
+            ):
                 break
             if index not in leases:
                 leases[index] = (worker, now + LEASE_SECONDS)
@@ -205,9 +230,19 @@ class ChunkDirectory:
         """Whether workers other than ``worker`` are copying the template now: they asked
         for a plan within :data:`LEASE_SECONDS`, are connected and do not hold it whole."""
         whole = self.whole_copies(digest) if whole is None else whole
+        connected = self.connected()
         since = time.time() - LEASE_SECONDS
-        asking = {w for w, asked in self.copying.get(digest, {}).items() if asked > since}
-        return bool(asking - whole - {worker} & set(self.connected()))
+        copying = self.copying.get(digest, {})
+        for other, asked in list(copying.items()):
+            if other == worker:
+                continue
+            if asked <= since or other in whole or other not in connected:
+                # It copies no longer (a worker that loses its copy and asks again is
+                # counted again): forgotten, so that the next look does not pass it again.
+                del copying[other]
+                continue
+            return True
+        return False
 
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""

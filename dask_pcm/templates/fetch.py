@@ -329,6 +329,7 @@ async def fetch(
                 if work:
                     window.started(loop.time())
                 for index, peers in work:
+                    receiving.add(index)  # counted in the window from now
                     running[index] = asyncio.ensure_future(get(index, peers))
                 started = len(work)
                 if plan.get("together"):
