@@ -6,11 +6,11 @@ they can fetch another chunk, and report what they hold (:meth:`ChunkDirectory.h
 :mod:`dask_pcm.templates.fetch`. The plan spreads the work the way a pipelined broadcast
 does: the source is read a few chunks at a time (a *lease* per chunk), so whole chunks come
 out of it early, one after another; each chunk someone holds is planned from its least busy
-holder, never one already uploading to ``pcm.template.max-uploads`` other peers (a peer
-takes as many chunks from one holder as its window holds: it sizes that to its link), rarest
-chunks first, so every new holder starts passing its chunks on at once. A worker that served a chunk with the
-wrong bytes is not offered for that chunk again. ``benchmarks/scale_out.py --simulate``
-shows what this gives at 256 workers.
+holder, never one already serving ``pcm.template.max-uploads`` (but a holder serving one
+peer alone gives it what its window asks for), rarest chunks first, so every new holder
+starts passing its chunks on at once. A worker that served a chunk with the wrong bytes is
+not offered for that chunk again. ``benchmarks/scale_out.py --simulate`` shows what this
+gives at up to 1,024 workers.
 """
 
 from __future__ import annotations
@@ -187,14 +187,18 @@ class ChunkDirectory:
                 break
             if not (count[index] or whole):
                 continue
-            who = (holders.get(index, set()) | whole) - bad.get(index, set()) - {worker}
+            part, skip = holders.get(index, set()), bad.get(index, set()) | {worker}
+            who: set[str] = set()
+            if len(part) > 2 * HOLDERS_WEIGHED:
+                # The least loaded of a random few: as good a spread as all of them (the
+                # power of a few choices), at a cost per plan that does not grow with N.
+                # (Whole copies made here reported every chunk: they are in ``part``.)
+                who = set(random.sample(list(part), HOLDERS_WEIGHED)) - skip
+            if not who:
+                who = (part | whole) - skip
             if not who:
                 nobody.append(index)
                 continue
-            if len(who) > HOLDERS_WEIGHED:
-                # The least loaded of a random few: as good a spread as all of them (the
-                # power of a few choices), at a cost per plan that does not grow with N.
-                who = set(random.sample(list(who), HOLDERS_WEIGHED))
             # A holder uploading to this worker alone may take more of its chunks than
             # max_uploads: the worker's window, not the directory, says how many its link
             # wants at once. Shared between peers, few at a time pass each chunk on sooner.
