@@ -80,11 +80,13 @@ class ChunkDirectory:
         # the peers it has uploads planned to (its load is their number) and how many each.
         self.planned: dict[str, dict[str, dict[int, str]]] = {}
         self.load: dict[str, Counter[str]] = {}
+        self.busy: dict[str, set[str]] = {}  # holders with max_uploads planned
         self.uploading: dict[str, dict[str, Counter[str]]] = {}
         # Workers asking for plans of a template, and when they last did (a worker that has
         # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
         self.copying: dict[str, dict[str, float]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
+        self._whole: set[str] = set()  # the whole copies the last plan saw
         # Plans waiting for a change, per digest, the longest waiting first.
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
 
@@ -119,7 +121,8 @@ class ChunkDirectory:
             answer = self.plan(digest, worker, missing, limit)
         # Copies together keep few chunks queued on the links they share, so that each
         # chunk is passed on soon; a copy alone sizes its window to its link.
-        answer["together"] = self.others_copying(digest, worker)
+        # (The whole copies as the plan just now saw them: asking again costs O(N).)
+        answer["together"] = self.others_copying(digest, worker, self._whole)
         return answer
 
     def _notify(self, digest: str | None = None) -> None:
@@ -161,7 +164,7 @@ class ChunkDirectory:
         copying = self.copying.setdefault(digest, {})
         copying[worker] = now
         limit = len(missing) if limit is None else limit
-        whole = self.whole_copies(digest)
+        whole = self._whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
         bad = self.bad_holders.get(digest, {})
         leases = self.leases.setdefault(digest, {})
@@ -174,6 +177,7 @@ class ChunkDirectory:
                 self._done(digest, worker, index)
         load = self.load.setdefault(digest, Counter())
         uploading = self.uploading.setdefault(digest, {})
+        busy = self.busy.setdefault(digest, set())
         # Rarest first, ties in random order (holder counts before bad ones and the asker
         # are taken out: a guide).
         count = {i: len(holders.get(i, ())) for i in missing}
@@ -202,7 +206,7 @@ class ChunkDirectory:
             # A holder uploading to this worker alone may take more of its chunks than
             # max_uploads: the worker's window, not the directory, says how many its link
             # wants at once. Shared between peers, few at a time pass each chunk on sooner.
-            free = [w for w in who if load[w] < self.max_uploads or _only(uploading, w, worker)]
+            free = who - busy or {w for w in who if _only(uploading, w, worker)}
             if free:
                 offered = heapq.nsmallest(
                     PEERS_OFFERED,
@@ -213,6 +217,8 @@ class ChunkDirectory:
                 mine_planned[index] = holder = offered[0]
                 uploading.setdefault(holder, Counter())[worker] += 1
                 load[holder] += 1
+                if load[holder] >= self.max_uploads:
+                    busy.add(holder)
         source: list[int] = []
         # Past SOURCE_LEASES, only a worker that nobody else copies the template with (the
         # others hold it whole, or wait for a copy on their host): nobody to pass chunks to.
@@ -257,6 +263,8 @@ class ChunkDirectory:
     def _unplan(self, digest: str, holder: str, worker: str) -> None:
         """One upload planned from ``holder`` to ``worker`` is over."""
         self.load[digest][holder] -= 1
+        if self.load[digest][holder] < self.max_uploads:
+            self.busy[digest].discard(holder)
         to = self.uploading[digest][holder]
         to[worker] -= 1
         if to[worker] <= 0:
@@ -320,6 +328,7 @@ class ChunkDirectory:
                 for index in [i for i, holder in from_holders.items() if holder == worker]:
                     del from_holders[index]
             self.load[digest].pop(worker, None)
+            self.busy.get(digest, set()).discard(worker)
             self.uploading.get(digest, {}).pop(worker, None)
         for copying in self.copying.values():
             copying.pop(worker, None)
