@@ -24,6 +24,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from dask_pcm import config
@@ -59,13 +60,14 @@ class ChunkDirectory:
     connected
         The connected workers' addresses (reports from others are ignored).
     max_uploads
-        Peers planned uploads from one holder at once (``pcm.template.max-uploads``): a chunk
-        whose holders all upload to that many other peers waits for the next plan.
+        Uploads planned from one holder at once (``pcm.template.max-uploads``): a chunk whose
+        holders are all that busy waits for the next plan (a holder serving one peer alone
+        gives it as many as it asks for).
     """
 
     def __init__(
         self,
-        whole_copies: Callable[[str], set[str]],
+        whole_copies: Callable[[str], AbstractSet[str]],
         connected: Callable[[], Collection[str]],
         max_uploads: int | None = None,
     ) -> None:
@@ -73,6 +75,9 @@ class ChunkDirectory:
         self.connected = connected
         self.max_uploads = max_uploads or int(config.get("template.max-uploads"))
         self.holders: dict[str, dict[int, set[str]]] = {}
+        # The same holders in the order they came (with some that left: a sample is
+        # checked against the set), to draw a few from without listing them all.
+        self.arrived: dict[str, dict[int, list[str]]] = {}
         self.leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
@@ -86,7 +91,7 @@ class ChunkDirectory:
         # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
         self.copying: dict[str, dict[str, float]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
-        self._whole: set[str] = set()  # the whole copies the last plan saw
+        self._whole: AbstractSet[str] = set()  # the whole copies the last plan saw
         # Plans waiting for a change, per digest, the longest waiting first.
         self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
 
@@ -154,7 +159,8 @@ class ChunkDirectory:
         Returns ``{"peers": {index: [workers]}, "source": [indexes]}``. Chunks someone holds
         (whole copies and partial ones) come first, the rarest first, each from the least
         loaded of its holders (then up to two others, in case it fails); a holder with
-        uploads planned to ``max_uploads`` other peers is not offered until one is done.
+        ``max_uploads`` uploads planned is not offered until one is done, unless they all go
+        to the asker.
         Chunks nobody holds or reads get a source lease: at most :data:`SOURCE_LEASES` per
         worker (all of :data:`SOURCE_READS` when no other worker is copying the template)
         and :data:`SOURCE_READS` per template at once. A lease lapses after
@@ -181,9 +187,8 @@ class ChunkDirectory:
         # Rarest first, ties in random order (holder counts before bad ones and the asker
         # are taken out: a guide).
         count = {i: len(holders.get(i, ())) for i in missing}
-        order = list(missing)
-        random.shuffle(order)
-        order.sort(key=count.__getitem__)
+        salt = random.getrandbits(32)  # ties broken by a hash of the index, salted per plan
+        order = sorted(missing, key=lambda i: (count[i], hash((i, salt))))
         nobody = [] if whole else [i for i in order if not count[i]]
         peers: dict[int, list[str]] = {}
         for index in order:
@@ -197,7 +202,7 @@ class ChunkDirectory:
                 # The least loaded of a random few: as good a spread as all of them (the
                 # power of a few choices), at a cost per plan that does not grow with N.
                 # (Whole copies made here reported every chunk: they are in ``part``.)
-                who = set(random.sample(list(part), HOLDERS_WEIGHED)) - skip
+                who = set(self._draw(digest, index, part)) - skip
             if not who:
                 who = (part | whole) - skip
             if not who:
@@ -206,7 +211,10 @@ class ChunkDirectory:
             # A holder uploading to this worker alone may take more of its chunks than
             # max_uploads: the worker's window, not the directory, says how many its link
             # wants at once. Shared between peers, few at a time pass each chunk on sooner.
-            free = who - busy or {w for w in who if _only(uploading, w, worker)}
+            # (Only holders already planned for this worker can be serving it alone.)
+            free = who - busy or {
+                w for w in set(mine_planned.values()) & who if _only(uploading, w, worker)
+            }
             if free:
                 offered = heapq.nsmallest(
                     PEERS_OFFERED,
@@ -236,23 +244,39 @@ class ChunkDirectory:
                 mine += 1
         return {"peers": peers, "source": source}
 
-    def others_copying(self, digest: str, worker: str, whole: set[str] | None = None) -> bool:
+    def _draw(self, digest: str, index: int, part: set[str]) -> list[str]:
+        """:data:`HOLDERS_WEIGHED` holders of chunk ``index`` drawn at random (fewer if some
+        drawn left), in time that does not grow with their number."""
+        arrived = self.arrived.setdefault(digest, {}).setdefault(index, [])
+        if len(arrived) > 2 * len(part):  # many have left: forget them
+            arrived[:] = [w for w in arrived if w in part]
+        if len(arrived) < HOLDERS_WEIGHED:
+            return [w for w in arrived if w in part]
+        return [w for w in random.sample(arrived, HOLDERS_WEIGHED) if w in part]
+
+    def others_copying(
+        self, digest: str, worker: str, whole: AbstractSet[str] | None = None
+    ) -> bool:
         """Whether workers other than ``worker`` are copying the template now: they asked
         for a plan within :data:`LEASE_SECONDS`, are connected and do not hold it whole."""
         whole = self.whole_copies(digest) if whole is None else whole
         connected = self.connected()
         since = time.time() - LEASE_SECONDS
         copying = self.copying.get(digest, {})
-        for other, asked in list(copying.items()):
+        gone, found = [], False
+        for other, asked in copying.items():
             if other == worker:
                 continue
             if asked <= since or other in whole or other not in connected:
-                # It copies no longer (a worker that loses its copy and asks again is
-                # counted again): forgotten, so that the next look does not pass it again.
-                del copying[other]
+                gone.append(other)
                 continue
-            return True
-        return False
+            found = True
+            break
+        # Those copy no longer (a worker that loses its copy and asks again is counted
+        # again): forgotten, so that the next look does not pass them again.
+        for other in gone:
+            del copying[other]
+        return found
 
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
@@ -302,7 +326,10 @@ class ChunkDirectory:
                     digest[:12],
                 )
         for index in indexes:
-            holders.setdefault(index, set()).add(worker)
+            held = holders.setdefault(index, set())
+            if worker not in held:
+                held.add(worker)
+                self.arrived.setdefault(digest, {}).setdefault(index, []).append(worker)
             leases.pop(index, None)
             self._done(digest, worker, index)
         for index in released or ():

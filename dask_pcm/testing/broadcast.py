@@ -272,7 +272,7 @@ async def _broadcast(
     held: dict[str, float] = {}  # worker -> when it held the whole template
     sim.attach(
         ChunkDirectory(
-            whole_copies=lambda digest: set(held),
+            whole_copies=lambda digest: held.keys(),  # a view: no copy per plan
             connected=lambda: sim.workers.keys(),
             max_uploads=max_uploads,
         )
