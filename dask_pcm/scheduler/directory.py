@@ -187,8 +187,10 @@ class ChunkDirectory:
         # Rarest first, ties in random order (holder counts before bad ones and the asker
         # are taken out: a guide).
         count = {i: len(holders.get(i, ())) for i in missing}
-        salt = random.getrandbits(32)  # ties broken by a hash of the index, salted per plan
-        order = sorted(missing, key=lambda i: (count[i], hash((i, salt))))
+        # Ties in the order of ``missing`` turned at a random place: askers that miss the
+        # same chunks start at different ones (cheaper than a shuffle, per plan).
+        turn = random.randrange(len(missing)) if missing else 0
+        order = sorted(missing[turn:] + missing[:turn], key=count.__getitem__)
         nobody = [] if whole else [i for i in order if not count[i]]
         peers: dict[int, list[str]] = {}
         for index in order:
@@ -250,9 +252,12 @@ class ChunkDirectory:
         arrived = self.arrived.setdefault(digest, {}).setdefault(index, [])
         if len(arrived) > 2 * len(part):  # many have left: forget them
             arrived[:] = [w for w in arrived if w in part]
-        if len(arrived) < HOLDERS_WEIGHED:
+        if len(arrived) <= HOLDERS_WEIGHED:
             return [w for w in arrived if w in part]
-        return [w for w in random.sample(arrived, HOLDERS_WEIGHED) if w in part]
+        # A run of them from a random place: holders that came at about the same time
+        # are as good a draw as any, and a slice costs one random number.
+        start = random.randrange(len(arrived) - HOLDERS_WEIGHED + 1)
+        return [w for w in arrived[start : start + HOLDERS_WEIGHED] if w in part]
 
     def others_copying(
         self, digest: str, worker: str, whole: AbstractSet[str] | None = None
