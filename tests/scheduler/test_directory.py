@@ -139,3 +139,33 @@ def test_a_holder_serving_one_peer_alone_gives_it_as_many_chunks_as_it_asks():
     assert sorted(plan) == [0, 1, 4]
     assert (plan[4][0], plan[0][0], plan[1][0]) == ("a", "b", "b")
     assert directory.load["d"]["a"] == 2
+
+
+def test_a_change_wakes_a_few_waiting_plans_not_all():
+    """Waking every waiting plan on every change made the scheduler's time grow as N
+    squared; the plans waiting longest are woken, the others at the next change."""
+
+    async def main():
+        directory = make("abcdefghijkl", max_uploads=1)
+        for worker in "bcdefghijk":  # ten workers copy it: a reads the source
+            directory.plan("d", worker, [])
+        assert directory.plan("d", "a", [0])["source"] == [0]
+        waiting = [
+            asyncio.ensure_future(directory.plan_waiting("d", w, [0], 1, wait=30))
+            for w in "bcdefghijk"
+        ]
+        await asyncio.sleep(0)
+        plans = []
+        plan = directory.plan
+        directory.plan = lambda digest, worker, *args: (
+            plans.append(worker) or plan(digest, worker, *args)
+        )
+        directory.have("d", "a", [0])  # one holder, one upload at a time: one can have it
+        await asyncio.sleep(0.01)
+        assert plans == list("bcde")[: chunk_directory.WOKEN_PER_CHANGE]  # longest waiting
+        assert [t.result()["peers"] for t in waiting if t.done()] == [{0: ["a"]}]
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(main())
