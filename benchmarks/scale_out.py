@@ -19,7 +19,7 @@ raw loopback socket copy of the same bytes measured in the same run.
 Mbit/s (network namespaces, as root: ``benchmarks/_scale_out_hosts.py``), so that the links,
 not this machine's two cores, bound the broadcast.
 
-``--simulate`` instead runs the broadcast to up to 256 workers in simulated time
+``--simulate`` instead runs the broadcast to up to 1,024 workers in simulated time
 (:mod:`dask_pcm.testing.broadcast`: the real chunk directory, fetch and serve code on one
 event loop; per-worker links and a source of ``--link`` and ``--source`` bytes per second;
 a template of ``--template-gb``, by default SmolLM2-1.7B in bfloat16), and fits the time
@@ -29,7 +29,7 @@ Examples::
 
     python benchmarks/scale_out.py --quick
     python benchmarks/scale_out.py --json scale_out.json     # N = 1, 2, 4, 8
-    python benchmarks/scale_out.py --simulate --json sim.json  # N = 1 ... 256, simulated
+    python benchmarks/scale_out.py --simulate --json sim.json  # N = 1 ... 1024, simulated
     sudo python benchmarks/scale_out.py --hosts --json hosts.json  # emulated hosts, 24 Mbit/s
 """
 
@@ -82,9 +82,12 @@ SIM_COLUMNS = [
 
 TRANSFER_COLUMNS = [
     ("chunk_mib", "chunk_MiB", "d"),
-    ("template_mb", "template_MB", ".0f"),
-    ("mb_per_s", "MB/s", ".0f"),
-    ("first_mb_per_s", "first_MB/s", ".0f"),
+    ("round", "round", "d"),
+    ("mb_per_s", "copy_MB/s", ".0f"),
+    ("verified_loopback_mb_per_s", "verified_MB/s", ".0f"),
+    ("raw_loopback_mb_per_s", "raw_MB/s", ".0f"),
+    ("of_verified_loopback", "copy/verified", ".2f"),
+    ("peak_window", "window_max", "d"),
     ("peak_extra_rss_mb", "peak_extra_RSS_MB", ".0f"),
 ]
 
@@ -127,17 +130,6 @@ def loopback_rate(nbytes: int, block: int = 1 << 20, verify: bool = False) -> fl
     b.close()
     assert got == nbytes
     return nbytes / seconds
-
-
-def loopback(nbytes: int, repeats: int = 3) -> dict:
-    """The best of ``repeats`` raw and verified loopback copies (bytes per second)."""
-    return {
-        "loopback_mb_per_s": max(loopback_rate(nbytes) for _ in range(repeats)) / 1e6,
-        "verified_loopback_mb_per_s": max(
-            loopback_rate(nbytes, verify=True) for _ in range(repeats)
-        )
-        / 1e6,
-    }
 
 
 def scale_out(n: int, mode: str, model: str, bytes_per_second: float) -> dict:
@@ -255,18 +247,24 @@ async def _fetch_sampled(manifest_json: str, dest: str, dask_worker=None) -> dic
         "bytes_from_peers": report.bytes_from_peers,
         "base_rss": base,
         "peak_extra_rss": peak[0] - base,
+        "window": report.window,
+        "peak_window": report.peak_window,
     }
 
 
-def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
-    """One worker copies the whole template from another, nothing else running.
+def transfer_alone(model: str, chunk_mib: int, rounds: int = 5, seed: int = 0) -> list[dict]:
+    """One worker copies the whole template from another, nothing else running, interleaved
+    with a raw and a verified loopback socket copy of the same bytes.
 
-    Returns the best rate of ``rounds`` copies, the first copy's (into pages the process
-    has not touched yet, as a worker joining a cluster copies), and the largest RSS growth
-    of the copying worker during any of them (what the copy holds at once: the chunks in
-    flight).
+    ``rounds`` rounds, each running the copy, the raw and the verified loopback once, in an
+    order drawn from ``seed`` (:func:`_protocol.schedule`), so that a slow minute on this
+    shared machine lands on all three alike; one row per round, with each one's rate and the
+    copying worker's largest RSS growth (what the copy holds at once: the chunks in flight
+    and those being written). The first round's copy is into pages the process has not
+    touched yet, as a worker joining a cluster copies.
     """
     manifest, root = build_manifest(model, chunk_mib << 20)
+    rows = {r: {"round": r, "chunk_mib": chunk_mib} for r in range(rounds)}
     with (
         dask_pcm.local_cluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cl,
         Client(cl) as client,
@@ -276,28 +274,60 @@ def transfer_alone(model: str, chunk_mib: int, rounds: int = 2) -> dict:
         client.run(_hold, manifest.to_json(), str(root), workers=[holder])
         client.run(_announce, manifest.digest, manifest.nchunks, workers=[holder])
         dest = Path(client.run(lambda dask_worker=None: dask_worker.local_directory)[joiner])
-        runs = [
-            client.run(
-                _fetch_sampled, manifest.to_json(), str(dest / f"copy-{i}"), workers=[joiner]
-            )[joiner]
-            for i in range(rounds)
-        ]
-    assert all(r["bytes_from_peers"] == manifest.total_bytes for r in runs), runs
-    return {
-        "chunk_mib": chunk_mib,
-        "template_mb": manifest.total_bytes / 1e6,
-        "mb_per_s": manifest.total_bytes / min(r["seconds"] for r in runs) / 1e6,
-        "first_mb_per_s": manifest.total_bytes / runs[0]["seconds"] / 1e6,
-        "peak_extra_rss_mb": max(r["peak_extra_rss"] for r in runs) / 1e6,
-    }
+        for rnd, variant in P.schedule(["copy", "raw", "verified"], rounds, seed):
+            row = rows[rnd]
+            if variant == "copy":
+                run = client.run(
+                    _fetch_sampled, manifest.to_json(), str(dest / f"copy-{rnd}"), workers=[joiner]
+                )[joiner]
+                assert run["bytes_from_peers"] == manifest.total_bytes, run
+                row["mb_per_s"] = manifest.total_bytes / run["seconds"] / 1e6
+                row["peak_extra_rss_mb"] = run["peak_extra_rss"] / 1e6
+                row["window"], row["peak_window"] = run["window"], run["peak_window"]
+            else:
+                rate = loopback_rate(manifest.total_bytes, verify=variant == "verified")
+                row[f"{variant}_loopback_mb_per_s"] = rate / 1e6
+    out = [rows[r] for r in range(rounds)]
+    for row in out:
+        row["template_mb"] = manifest.total_bytes / 1e6
+        row["of_verified_loopback"] = row["mb_per_s"] / row["verified_loopback_mb_per_s"]
+        row["of_loopback"] = row["mb_per_s"] / row["raw_loopback_mb_per_s"]
+    return out
+
+
+def summarise_transfers(rows: list[dict]) -> list[dict]:
+    """Per chunk size: the copy's, the raw and the verified loopback's rate, and the copy
+    over the verified loopback paired by round, each a median and 95 % interval."""
+    out = []
+    for mib in sorted({r["chunk_mib"] for r in rows}):
+        mine = sorted((r for r in rows if r["chunk_mib"] == mib), key=lambda r: r["round"])
+        copy = [r["mb_per_s"] for r in mine]
+        verified = [r["verified_loopback_mb_per_s"] for r in mine]
+        raw = [r["raw_loopback_mb_per_s"] for r in mine]
+        for metric, values in (
+            ("copy_mb_per_s", copy),
+            ("verified_loopback_mb_per_s", verified),
+            ("raw_loopback_mb_per_s", raw),
+        ):
+            out.append({"metric": metric, "chunk_mib": mib, **P.interval(values)})
+        ratio = P.ratio_interval(copy, verified)
+        ratio["of_medians"] = P.interval(copy)["median"] / P.interval(verified)["median"]
+        out.append({"metric": "copy_over_verified_loopback", "chunk_mib": mib, **ratio})
+        out.append(
+            {"metric": "copy_over_raw_loopback", "chunk_mib": mib, **P.ratio_interval(copy, raw)}
+        )
+    return out
 
 
 def simulated(args: argparse.Namespace) -> None:
-    """``--simulate``: the broadcast to up to 256 workers in simulated time."""
+    """``--simulate``: the broadcast to up to 1,024 workers in simulated time (``source`` up
+    to ``--source-up-to``: every reader shares the one source link, so each flow that starts
+    or ends re-rates all N, and past a few hundred the simulation takes long to show what
+    N * S / B says)."""
     from dask_pcm.testing.broadcast import simulate
 
-    top = 64 if args.quick else 256
-    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1 << k for k in range(9)]
+    top = 64 if args.quick else 1024
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1 << k for k in range(11)]
     sizes = [n for n in sizes if n <= top or args.sizes]
     template = args.template_gb * 1e9
     args.chunk_mib = args.chunk_mib or 64
@@ -308,6 +338,8 @@ def simulated(args: argparse.Namespace) -> None:
     rows = []
     for n in sizes:
         for mode in MODES:
+            if mode == "source" and n > args.source_up_to:
+                continue
             r = simulate(
                 n,
                 mode,
@@ -335,14 +367,19 @@ def simulated(args: argparse.Namespace) -> None:
         f"\np2p: {fits['p2p'][0]:.2f} + {fits['p2p'][1]:.3f} * log2(N) s; "
         f"source: {fits['source'][0]:.2f} + {fits['source'][1]:.3f} * N s"
     )
-    big = max(n for n, _ in by)
+    big = max(n for n, mode in by if mode == "p2p")
+    growth = {}
     for ref in (1, 8):
         if ref < big and (ref, "p2p") in by:
-            print(f"p2p held at N={big} / N={ref}: {by[(big, 'p2p')] / by[(ref, 'p2p')]:.2f}")
+            growth[f"p2p_n{big}_over_n{ref}"] = by[(big, "p2p")] / by[(ref, "p2p")]
+            print(f"p2p held at N={big} / N={ref}: {growth[f'p2p_n{big}_over_n{ref}']:.2f}")
+    real = sum(r["real_seconds"] for r in rows)
+    print(f"the simulation took {real:.0f} s real")
     for r in rows:
         r["fit_p2p"], r["fit_source"] = fits["p2p"], fits["source"]
     # Simulated time is deterministic (only the directory's real CPU charge moves): one run.
-    h.write_json(args.json, rows, summary={"fits": fits}, simulated=True)
+    summary = {"fits": fits, **growth, "real_seconds": real}
+    h.write_json(args.json, rows, summary=summary, simulated=True)
     plot_simulated(args.json, rows, fits)
 
 
@@ -391,7 +428,7 @@ def main() -> None:
     p.add_argument(
         "--sizes",
         help="comma-separated N (default 1,2,4,8; --quick 2; "
-        "--simulate 1,2,...,256, --quick to 64)",
+        "--simulate 1,2,...,1024, --quick to 64)",
     )
     p.add_argument(
         "--load-seconds", type=float, default=5.0, help="one source read alone (default 5 s)"
@@ -401,8 +438,20 @@ def main() -> None:
         action="store_true",
         help="only the copy between two workers alone: rate and memory held, per chunk size",
     )
+    p.add_argument(
+        "--transfer-rounds",
+        type=int,
+        default=5,
+        help="rounds of the copy alone, each with a raw and a verified loopback (default 5)",
+    )
     p.add_argument("--simulate", action="store_true", help="the broadcast in simulated time")
     p.add_argument("--template-gb", type=float, default=3.4, help="--simulate: template size")
+    p.add_argument(
+        "--source-up-to",
+        type=int,
+        default=256,
+        help="--simulate: the largest N simulated in mode source (default 256)",
+    )
     p.add_argument("--chunk-mib", type=float, default=None,
                    help="--simulate: chunk size (64); --hosts: 0.5")  # fmt: skip
     p.add_argument(
@@ -439,9 +488,12 @@ def main() -> None:
     reps = P.repetitions(args.quick, args.repetitions)
     rows: list[dict] = []
     with h._worker_environ():
-        transfers = [transfer_alone(model, mib) for mib in ((64,) if args.quick else (16, 64))]
-        # The baseline in the same run, right after the copies it is compared with.
-        loop = loopback(manifest.total_bytes)
+        # The baselines in the same rounds as the copies they are compared with.
+        transfers = [
+            row
+            for mib in ((64,) if args.quick else (16, 64))
+            for row in transfer_alone(model, mib, max(2, args.transfer_rounds), args.seed)
+        ]
         variants = [] if args.transfer_only else [f"{m}@{n}" for n in sizes for m in MODES]
         for rnd, variant in P.schedule(variants, reps, args.seed):
             mode, _, n_text = variant.partition("@")
@@ -455,23 +507,22 @@ def main() -> None:
     rows.sort(key=lambda r: (r["round"], r["n"], r["mode"]))
     if rows:
         h.print_table(rows, [("round", "round", "d"), *COLUMNS])
-    print("\none worker copying the template from another, nothing else running:")
-    h.print_table(transfers, TRANSFER_COLUMNS)
-    raw, verified = loop["loopback_mb_per_s"], loop["verified_loopback_mb_per_s"]
     print(
-        f"loopback socket copy of {manifest.total_bytes / 1e6:.0f} MB (best of 3): raw "
-        f"{raw:.0f} MB/s, with SHA-256 of what is received {verified:.0f} MB/s"
+        "\none worker copying the template from another, nothing else running, each round "
+        "with a loopback socket copy of the same bytes (raw, and with SHA-256 of what is "
+        "received: verified):"
     )
-    for t in transfers:
-        t["of_loopback"] = t["mb_per_s"] / raw
-        t["of_verified_loopback"] = t["mb_per_s"] / verified
+    h.print_table(transfers, TRANSFER_COLUMNS)
+    transfer_summary = summarise_transfers(transfers)
+    for entry in transfer_summary:
         print(
-            f"chunks of {t['chunk_mib']} MiB: {t['of_loopback']:.2f} of raw loopback, "
-            f"{t['of_verified_loopback']:.2f} of verified loopback (first copy "
-            f"{t['first_mb_per_s'] / raw:.2f}); memory held "
-            f"{t['peak_extra_rss_mb'] / (t['chunk_mib'] * 1.048576):.1f} chunks, "
-            f"{t['peak_extra_rss_mb'] / t['template_mb']:.2f} of the template"
+            f"  chunks of {entry['chunk_mib']} MiB, {entry['metric'].replace('_', ' ')}: "
+            f"{P.format_interval(entry, '.2f' if 'over' in entry['metric'] else '.0f')}"
+            + (f" (median over median {entry['of_medians']:.2f})" if "of_medians" in entry else "")
         )
+    for mib in sorted({t["chunk_mib"] for t in transfers}):
+        held = max(t["peak_extra_rss_mb"] for t in transfers if t["chunk_mib"] == mib)
+        print(f"  chunks of {mib} MiB: memory held at most {held / (mib * 1.048576):.1f} chunks")
     summary = summarise(rows)
     for entry in summary:
         if entry["metric"] != "seconds":
@@ -482,7 +533,11 @@ def main() -> None:
         args.json,
         rows,
         reps=reps,
-        summary={"intervals": summary, "transfer_alone": transfers, "loopback": loop},
+        summary={
+            "intervals": summary,
+            "transfer_alone": transfers,
+            "transfer_intervals": transfer_summary,
+        },
         seed=args.seed,
         source_mb_per_s=rate / 1e6,
         template_mb=manifest.total_bytes / 1e6,
@@ -512,6 +567,10 @@ def summarise(rows: list[dict]) -> list[dict]:
             series("source", n, "held_seconds"), series("p2p", n, "held_seconds")
         )
         out.append({"metric": "source_over_p2p_held", "n": n, **held})
+        behind = P.ratio_interval(
+            series("p2p", n, "held_seconds"), series("source", n, "held_seconds")
+        )
+        out.append({"metric": "p2p_over_source_held", "n": n, **behind})
         if 1 in sizes and n > 1:
             growth = P.ratio_interval(
                 series("p2p", n, "held_seconds"), series("p2p", 1, "held_seconds")

@@ -6,15 +6,17 @@ they can fetch another chunk, and report what they hold (:meth:`ChunkDirectory.h
 :mod:`dask_pcm.templates.fetch`. The plan spreads the work the way a pipelined broadcast
 does: the source is read a few chunks at a time (a *lease* per chunk), so whole chunks come
 out of it early, one after another; each chunk someone holds is planned from its least busy
-holder, never one already serving ``pcm.template.max-uploads``, rarest chunks first, so
-every new holder starts passing its chunks on at once. A worker that served a chunk with the
-wrong bytes is not offered for that chunk again. ``benchmarks/scale_out.py --simulate``
-shows what this gives at 256 workers.
+holder, never one already serving ``pcm.template.max-uploads`` (but a holder serving one
+peer alone gives it what its window asks for), rarest chunks first, so every new holder
+starts passing its chunks on at once. A worker that served a chunk with the wrong bytes is
+not offered for that chunk again. ``benchmarks/scale_out.py --simulate`` shows what this
+gives at up to 1,024 workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import logging
@@ -22,6 +24,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Collection
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from dask_pcm import config
@@ -29,8 +32,9 @@ from dask_pcm import config
 logger = logging.getLogger(__name__)
 
 # Chunks one worker may be reading from a template's source at once (all SOURCE_READS when
-# it is the only worker without the template: a reader alone then keeps the source busy
-# while it writes what it read), chunks all workers together may be reading from it at
+# it is the only worker copying the template: a reader alone then keeps the source busy
+# while it writes what it read; workers that wait for another's copy on their host, or
+# hold the template, do not count), chunks all workers together may be reading from it at
 # once, and how long such a lease lasts before another worker may take the chunk. Few
 # readers at a time make the source deliver whole chunks early, one after another, for
 # peers to pass on while it reads the next; many at once would share its bandwidth and
@@ -40,6 +44,10 @@ SOURCE_READS = 2
 LEASE_SECONDS = 120.0
 # Peers offered per chunk: the least loaded first, the others in case it fails.
 PEERS_OFFERED = 3
+# Holders of a chunk weighed against each other for one plan, at most (drawn at random).
+HOLDERS_WEIGHED = 16
+# Waiting plans woken by one change (a chunk held, an upload or a lease done).
+WOKEN_PER_CHANGE = 4
 
 
 class ChunkDirectory:
@@ -52,13 +60,14 @@ class ChunkDirectory:
     connected
         The connected workers' addresses (reports from others are ignored).
     max_uploads
-        Uploads planned from one holder at once (``pcm.template.max-uploads``, what a worker
-        serves at once): a chunk whose holders are all that busy waits for the next plan.
+        Uploads planned from one holder at once (``pcm.template.max-uploads``): a chunk whose
+        holders are all that busy waits for the next plan (a holder serving one peer alone
+        gives it as many as it asks for).
     """
 
     def __init__(
         self,
-        whole_copies: Callable[[str], set[str]],
+        whole_copies: Callable[[str], AbstractSet[str]],
         connected: Callable[[], Collection[str]],
         max_uploads: int | None = None,
     ) -> None:
@@ -66,15 +75,25 @@ class ChunkDirectory:
         self.connected = connected
         self.max_uploads = max_uploads or int(config.get("template.max-uploads"))
         self.holders: dict[str, dict[int, set[str]]] = {}
+        # The same holders in the order they came (with some that left: a sample is
+        # checked against the set), to draw a few from without listing them all.
+        self.arrived: dict[str, dict[int, list[str]]] = {}
         self.leases: dict[str, dict[int, tuple[str, float]]] = {}
         # Workers that served a chunk failing verification: not offered for it again.
         self.bad_holders: dict[str, dict[int, set[str]]] = {}
-        # Uploads planned and not yet reported done: worker -> {index: holder}, and the
-        # number per holder.
+        # Uploads planned and not yet reported done: worker -> {index: holder}; per holder,
+        # the peers it has uploads planned to (its load is their number) and how many each.
         self.planned: dict[str, dict[str, dict[int, str]]] = {}
         self.load: dict[str, Counter[str]] = {}
+        self.busy: dict[str, set[str]] = {}  # holders with max_uploads planned
+        self.uploading: dict[str, dict[str, Counter[str]]] = {}
+        # Workers asking for plans of a template, and when they last did (a worker that has
+        # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
+        self.copying: dict[str, dict[str, float]] = {}
         # Set (and replaced) whenever something changes that a waiting plan may use.
-        self._changed: dict[str, asyncio.Event] = {}
+        self._whole: AbstractSet[str] = set()  # the whole copies the last plan saw
+        # Plans waiting for a change, per digest, the longest waiting first.
+        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}
 
     async def plan_waiting(
         self,
@@ -90,7 +109,8 @@ class ChunkDirectory:
 
         Workers that ask this way hear of a chunk they can have at once, instead of asking
         again and again (each ask costs the scheduler a plan) or pausing longer between
-        asks (which delays the copy).
+        asks (which delays the copy). The answer also says whether other workers copy the
+        template too (``"together"``).
         """
         answer = self.plan(digest, worker, missing, limit)
         loop = asyncio.get_running_loop()
@@ -99,18 +119,36 @@ class ChunkDirectory:
             left = deadline - loop.time()
             if left <= 0:
                 break
-            changed = self._changed.setdefault(digest, asyncio.Event())
+            changed = loop.create_future()
+            self._waiting.setdefault(digest, collections.deque()).append(changed)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), left)
+                await asyncio.wait_for(changed, left)
             answer = self.plan(digest, worker, missing, limit)
+        # Copies together keep few chunks queued on the links they share, so that each
+        # chunk is passed on soon; a copy alone sizes its window to its link.
+        # (The whole copies as the plan just now saw them: asking again costs O(N).)
+        answer["together"] = self.others_copying(digest, worker, self._whole)
         return answer
 
     def _notify(self, digest: str | None = None) -> None:
-        """Wake the plans waiting on ``digest`` (None: on every template)."""
-        for key in list(self._changed) if digest is None else [digest]:
-            event = self._changed.pop(key, None)
-            if event is not None:
-                event.set()
+        """Wake the :data:`WOKEN_PER_CHANGE` plans waiting longest on ``digest`` (None:
+        every plan, on every template: a worker left).
+
+        A change (a chunk held, an upload done) gives one or two workers something to
+        fetch; waking every waiting plan for it would have each plan again (N plans per
+        change at N workers, most of them for nothing), and the scheduler's time would
+        grow as N squared. The others wait for the next change, which comes soon where
+        many copy, or their ``wait``."""
+        for key in list(self._waiting) if digest is None else [digest]:
+            waiting = self._waiting.get(key)
+            woken = 0
+            while waiting and (digest is None or woken < WOKEN_PER_CHANGE):
+                future = waiting.popleft()
+                if not future.done():
+                    future.set_result(None)
+                    woken += 1
+            if not waiting:
+                self._waiting.pop(key, None)
 
     def plan(
         self, digest: str, worker: str, missing: list[int], limit: int | None = None
@@ -121,15 +159,18 @@ class ChunkDirectory:
         Returns ``{"peers": {index: [workers]}, "source": [indexes]}``. Chunks someone holds
         (whole copies and partial ones) come first, the rarest first, each from the least
         loaded of its holders (then up to two others, in case it fails); a holder with
-        ``max_uploads`` uploads planned is not offered until one is done. Chunks nobody holds
-        or reads get a source lease: at most :data:`SOURCE_LEASES` per worker (all of
-        :data:`SOURCE_READS` when every other worker holds the template) and
-        :data:`SOURCE_READS` per template at once. A lease lapses after
+        ``max_uploads`` uploads planned is not offered until one is done, unless they all go
+        to the asker.
+        Chunks nobody holds or reads get a source lease: at most :data:`SOURCE_LEASES` per
+        worker (all of :data:`SOURCE_READS` when no other worker is copying the template)
+        and :data:`SOURCE_READS` per template at once. A lease lapses after
         :data:`LEASE_SECONDS` or when its worker leaves.
         """
         now = time.time()
+        copying = self.copying.setdefault(digest, {})
+        copying[worker] = now
         limit = len(missing) if limit is None else limit
-        whole = self.whole_copies(digest)
+        whole = self._whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
         bad = self.bad_holders.get(digest, {})
         leases = self.leases.setdefault(digest, {})
@@ -141,12 +182,15 @@ class ChunkDirectory:
             for index in [i for i in mine_planned if i in wanted]:
                 self._done(digest, worker, index)
         load = self.load.setdefault(digest, Counter())
+        uploading = self.uploading.setdefault(digest, {})
+        busy = self.busy.setdefault(digest, set())
         # Rarest first, ties in random order (holder counts before bad ones and the asker
         # are taken out: a guide).
         count = {i: len(holders.get(i, ())) for i in missing}
-        order = list(missing)
-        random.shuffle(order)
-        order.sort(key=count.__getitem__)
+        # Ties in the order of ``missing`` turned at a random place: askers that miss the
+        # same chunks start at different ones (cheaper than a shuffle, per plan).
+        turn = random.randrange(len(missing)) if missing else 0
+        order = sorted(missing[turn:] + missing[:turn], key=count.__getitem__)
         nobody = [] if whole else [i for i in order if not count[i]]
         peers: dict[int, list[str]] = {}
         for index in order:
@@ -154,26 +198,47 @@ class ChunkDirectory:
                 break
             if not (count[index] or whole):
                 continue
-            who = (holders.get(index, set()) | whole) - bad.get(index, set()) - {worker}
+            part, skip = holders.get(index, set()), bad.get(index, set()) | {worker}
+            who: set[str] = set()
+            if len(part) > 2 * HOLDERS_WEIGHED:
+                # The least loaded of a random few: as good a spread as all of them (the
+                # power of a few choices), at a cost per plan that does not grow with N.
+                # (Whole copies made here reported every chunk: they are in ``part``.)
+                who = set(self._draw(digest, index, part)) - skip
+            if not who:
+                who = (part | whole) - skip
             if not who:
                 nobody.append(index)
                 continue
-            free = [w for w in who if load[w] < self.max_uploads]
+            # A holder uploading to this worker alone may take more of its chunks than
+            # max_uploads: the worker's window, not the directory, says how many its link
+            # wants at once. Shared between peers, few at a time pass each chunk on sooner.
+            # (Only holders already planned for this worker can be serving it alone.)
+            free = who - busy or {
+                w for w in set(mine_planned.values()) & who if _only(uploading, w, worker)
+            }
             if free:
                 offered = heapq.nsmallest(
-                    PEERS_OFFERED, free, key=lambda w: (load[w], random.random())
+                    PEERS_OFFERED,
+                    free,
+                    key=lambda w: (load[w], random.random()),
                 )
                 peers[index] = offered
-                mine_planned[index] = offered[0]
-                load[offered[0]] += 1
+                mine_planned[index] = holder = offered[0]
+                uploading.setdefault(holder, Counter())[worker] += 1
+                load[holder] += 1
+                if load[holder] >= self.max_uploads:
+                    busy.add(holder)
         source: list[int] = []
-        # Every other worker holds a whole copy (or there is none): nobody to pass chunks to.
-        alone = not set(self.connected()) - whole - {worker}
+        # Past SOURCE_LEASES, only a worker that nobody else copies the template with (the
+        # others hold it whole, or wait for a copy on their host): nobody to pass chunks to.
         mine = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
-            if len(peers) + len(source) >= limit:
+            if len(peers) + len(source) >= limit or len(leases) >= SOURCE_READS:
                 break
-            if mine >= (SOURCE_READS if alone else SOURCE_LEASES) or len(leases) >= SOURCE_READS:
+            if mine >= SOURCE_LEASES and (
+                mine >= SOURCE_READS or self.others_copying(digest, worker, whole)
+            ):
                 break
             if index not in leases:
                 leases[index] = (worker, now + LEASE_SECONDS)
@@ -181,11 +246,58 @@ class ChunkDirectory:
                 mine += 1
         return {"peers": peers, "source": source}
 
+    def _draw(self, digest: str, index: int, part: set[str]) -> list[str]:
+        """:data:`HOLDERS_WEIGHED` holders of chunk ``index`` drawn at random (fewer if some
+        drawn left), in time that does not grow with their number."""
+        arrived = self.arrived.setdefault(digest, {}).setdefault(index, [])
+        if len(arrived) > 2 * len(part):  # many have left: forget them
+            arrived[:] = [w for w in arrived if w in part]
+        if len(arrived) <= HOLDERS_WEIGHED:
+            return [w for w in arrived if w in part]
+        # A run of them from a random place: holders that came at about the same time
+        # are as good a draw as any, and a slice costs one random number.
+        start = random.randrange(len(arrived) - HOLDERS_WEIGHED + 1)
+        return [w for w in arrived[start : start + HOLDERS_WEIGHED] if w in part]
+
+    def others_copying(
+        self, digest: str, worker: str, whole: AbstractSet[str] | None = None
+    ) -> bool:
+        """Whether workers other than ``worker`` are copying the template now: they asked
+        for a plan within :data:`LEASE_SECONDS`, are connected and do not hold it whole."""
+        whole = self.whole_copies(digest) if whole is None else whole
+        connected = self.connected()
+        since = time.time() - LEASE_SECONDS
+        copying = self.copying.get(digest, {})
+        gone, found = [], False
+        for other, asked in copying.items():
+            if other == worker:
+                continue
+            if asked <= since or other in whole or other not in connected:
+                gone.append(other)
+                continue
+            found = True
+            break
+        # Those copy no longer (a worker that loses its copy and asks again is counted
+        # again): forgotten, so that the next look does not pass them again.
+        for other in gone:
+            del copying[other]
+        return found
+
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
         holder = self.planned.get(digest, {}).get(worker, {}).pop(index, None)
         if holder is not None:
-            self.load[digest][holder] -= 1
+            self._unplan(digest, holder, worker)
+
+    def _unplan(self, digest: str, holder: str, worker: str) -> None:
+        """One upload planned from ``holder`` to ``worker`` is over."""
+        self.load[digest][holder] -= 1
+        if self.load[digest][holder] < self.max_uploads:
+            self.busy[digest].discard(holder)
+        to = self.uploading[digest][holder]
+        to[worker] -= 1
+        if to[worker] <= 0:
+            del to[worker]
 
     def have(
         self,
@@ -219,7 +331,10 @@ class ChunkDirectory:
                     digest[:12],
                 )
         for index in indexes:
-            holders.setdefault(index, set()).add(worker)
+            held = holders.setdefault(index, set())
+            if worker not in held:
+                held.add(worker)
+                self.arrived.setdefault(digest, {}).setdefault(index, []).append(worker)
             leases.pop(index, None)
             self._done(digest, worker, index)
         for index in released or ():
@@ -240,9 +355,19 @@ class ChunkDirectory:
                 del leases[index]
         for digest, planned in self.planned.items():
             for holder in planned.pop(worker, {}).values():
-                self.load[digest][holder] -= 1
+                self._unplan(digest, holder, worker)
             for from_holders in planned.values():
                 for index in [i for i, holder in from_holders.items() if holder == worker]:
                     del from_holders[index]
             self.load[digest].pop(worker, None)
+            self.busy.get(digest, set()).discard(worker)
+            self.uploading.get(digest, {}).pop(worker, None)
+        for copying in self.copying.values():
+            copying.pop(worker, None)
         self._notify()
+
+
+def _only(uploading: dict[str, Counter[str]], holder: str, worker: str) -> bool:
+    """Whether ``worker`` is the one peer ``holder`` has uploads planned to."""
+    to = uploading.get(holder)
+    return to is not None and to.keys() == {worker}

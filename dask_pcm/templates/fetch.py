@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ from dask_pcm.templates.planners import DirectoryPlanner, Planner, Reports, Sour
 from dask_pcm.templates.reader import SourceReader, source_reader
 from dask_pcm.templates.report import FetchReport, PeerRecord
 from dask_pcm.templates.serve import TemplateStore
+from dask_pcm.templates.window import Window
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -67,6 +69,13 @@ _FIRST_IDLE_WAIT = 0.05
 _MAX_IDLE_WAIT = 1.0
 # How long a copy with no chunk in flight lets the planner wait for one to plan.
 _PLAN_WAIT = 2.0
+# Chunks arrived and still being verified and written, beyond the window: the next chunks
+# are received while earlier ones are hashed and written (on another core), not after.
+WRITE_AHEAD = 2
+
+
+# Called with a chunk's index and its size once its bytes are in (0: the request failed).
+_Arrived = Callable[[int, int], None]
 
 
 class _PeerFailed(Exception):
@@ -163,20 +172,23 @@ class _Chunks:
                 record.chunks,
             )
 
-    async def from_peer(self, peer: str, index: int) -> str:
+    async def from_peer(self, peer: str, index: int, arrived: _Arrived) -> str:
         """Fetch, verify and write chunk ``index`` from ``peer``: ``_OK``, ``_CORRUPT``
-        (discarded, the peer struck) or ``_FAILED`` (the peer dropped)."""
+        (discarded, the peer struck) or ``_FAILED`` (the peer dropped). ``arrived`` is
+        called once the bytes are in (or the request failed), before they are verified."""
         self.check_deadline()
         record = self.report.peers.setdefault(peer, PeerRecord())
         deadline = config.peer_deadline(self.manifest.chunk(index).length)
         try:
             data = await _ask_peer(self.worker, peer, self.manifest.digest, index, deadline)
         except _PeerFailed as exc:
+            arrived(index, 0)
             self._drop(peer, str(exc))
             return _FAILED
         # A uint8 array over the buffer the comm read into (bytes from older peers); in-process
         # comms hand over the wrapper itself.
         data = memoryview(getattr(data, "data", data))
+        arrived(index, len(data))
         try:
             await asyncio.to_thread(self.writer.write, index, data)
         except ChunkError as exc:
@@ -191,13 +203,18 @@ class _Chunks:
         self.report.chunks_from_peers += 1
         return _OK
 
-    async def from_source(self, index: int) -> None:
+    async def from_source(self, index: int, arrived: _Arrived) -> None:
         self.check_deadline()
         if self.source_root is None:
             raise self.failure(
                 f"chunk {index} could not be had from any peer and no source was given"
             )
-        data = await self.reader.aread(self.source_root, self.manifest, index)
+        try:
+            data = await self.reader.aread(self.source_root, self.manifest, index)
+        except BaseException:
+            arrived(index, 0)
+            raise
+        arrived(index, len(data))
         await asyncio.to_thread(self.writer.write, index, data)
         self.report.bytes_from_source += len(data)
         self.report.chunks_from_source += 1
@@ -217,13 +234,19 @@ async def fetch(
     in_flight: int | None = None,
     timeout: float | str | None = "configured",
     report: FetchReport | None = None,
+    max_in_flight: int | None = None,
 ) -> tuple[Path, FetchReport]:
     """Assemble ``manifest``'s template at ``dest`` on ``worker``; the path and a report.
 
     Runs on the worker's event loop. ``planner`` defaults to :class:`DirectoryPlanner` (or
     :class:`SourcePlanner` with ``pcm.template.peer-to-peer`` false), ``reader`` to
-    :func:`~dask_pcm.templates.reader.source_reader`, ``in_flight`` (chunks fetched at once) to
-    ``pcm.template.in-flight``, ``timeout`` to ``pcm.template.fetch-timeout``.
+    :func:`~dask_pcm.templates.reader.source_reader`, ``timeout`` to
+    ``pcm.template.fetch-timeout``. Chunks are received ``in_flight`` at a time at first
+    (``pcm.template.in-flight``), then as many as the rate they arrive at says
+    (:class:`~dask_pcm.templates.window.Window`), never more than ``max_in_flight``
+    (``pcm.template.max-in-flight``); each is verified and written while the next ones
+    arrive, at most :data:`WRITE_AHEAD` beyond the window, so the copy holds at most
+    ``max_in_flight + WRITE_AHEAD`` chunks in memory.
     ``source_root`` is the folder the manifest's files are relative to (None: peers only).
     ``report``, when given, is filled as chunks arrive (for progress), and returned.
 
@@ -237,6 +260,8 @@ async def fetch(
         planner = DirectoryPlanner(worker, manifest.digest) if peer_to_peer else SourcePlanner()
     reader = reader or source_reader()
     in_flight = in_flight or int(config.get("template.in-flight"))
+    cap = max_in_flight or int(config.get("template.max-in-flight"))
+    window = Window(in_flight, cap)
     report = FetchReport() if report is None else report
     writer = await asyncio.to_thread(TemplateWriter, manifest, dest)
     store = TemplateStore.of(worker)
@@ -244,6 +269,15 @@ async def fetch(
     chunks = _Chunks(worker, writer, report, source_root, reader, _timeout(timeout))
     me = worker.address
     reports = Reports(planner)
+    loop = asyncio.get_running_loop()
+    receiving: set[int] = set()  # chunks requested whose bytes are not in yet
+    wake = asyncio.Event()  # a chunk's bytes are in: its slot in the window is free
+
+    def arrived(index: int, nbytes: int) -> None:
+        receiving.discard(index)
+        if nbytes:
+            window.received(nbytes, loop.time())
+        wake.set()
 
     async def get(index: int, planned: list[str]) -> bool:
         """Chunk ``index`` from a planned peer, else (none usable) the source."""
@@ -252,7 +286,8 @@ async def fetch(
             if not chunks.usable(peer):
                 continue
             tried = True
-            outcome = await chunks.from_peer(peer, index)
+            receiving.add(index)
+            outcome = await chunks.from_peer(peer, index, arrived)
             if outcome == _OK:
                 reports.put(me, [index])
                 return True
@@ -264,8 +299,10 @@ async def fetch(
             reports.put(me, [], released=[index])
             return False  # planned again, without what failed
         try:
-            await chunks.from_source(index)
+            receiving.add(index)
+            await chunks.from_source(index, arrived)
         finally:
+            receiving.discard(index)
             if not planned and index in writer.missing:  # give the lease back
                 reports.put(me, [], released=[index])
         reports.put(me, [index])
@@ -277,7 +314,10 @@ async def fetch(
         while writer.missing:
             chunks.check_deadline()
             reports.check()
-            free = in_flight - len(running)
+            # Room in the window (chunks being received) and in memory (chunks held).
+            free = max(
+                0, min(window.size - len(receiving), window.size + WRITE_AHEAD - len(running))
+            )
             wanted = sorted(writer.missing - running.keys())
             started = 0
             if free and wanted:
@@ -286,20 +326,33 @@ async def fetch(
                 report.rounds += 1
                 work = [(int(i), list(peers)) for i, peers in plan["peers"].items()]
                 work += [(int(i), []) for i in plan["source"]]
+                if work:
+                    window.started(loop.time())
                 for index, peers in work:
+                    receiving.add(index)  # counted in the window from now
                     running[index] = asyncio.ensure_future(get(index, peers))
                 started = len(work)
+                if plan.get("together"):
+                    window.shared(loop.time())
+                elif started < free:
+                    window.starved(loop.time())
             if not running:  # every chunk left is being read by someone else
                 await asyncio.sleep(idle)
                 idle = min(2 * idle, _MAX_IDLE_WAIT)
                 continue
-            # Until a chunk is in; while slots are free, ask again after a pause.
-            done, _ = await asyncio.wait(
-                running.values(),
-                timeout=idle if started < free else None,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            idle = _FIRST_IDLE_WAIT if done else min(2 * idle, _MAX_IDLE_WAIT)
+            # Until a chunk is in (or written); while slots are free, ask again after a pause.
+            wake.clear()
+            woken = asyncio.ensure_future(wake.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    [*running.values(), woken],
+                    timeout=idle if started < free else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            finally:
+                woken.cancel()
+            done.discard(woken)
+            idle = _FIRST_IDLE_WAIT if done or wake.is_set() else min(2 * idle, _MAX_IDLE_WAIT)
             for index in [i for i, task in running.items() if task in done]:
                 if running.pop(index).result():
                     fruitless = 0
@@ -324,5 +377,7 @@ async def fetch(
         with contextlib.suppress(Exception):
             await planner.have(me, [], lost=held, released=sorted(writer.missing))
         raise
+    report.window = window.size
+    report.peak_window = window.peak
     report.seconds = time.perf_counter() - chunks.start
     return path, report

@@ -25,7 +25,8 @@ class Planner(Protocol):
         """``{"peers": {index: [workers]}, "source": [indexes]}``: at most ``limit`` of the
         ``missing`` chunks to fetch now, each from the first usable of its peers, or (no
         peers) from the source. With nothing to plan now, it may wait up to ``wait`` seconds
-        for something."""
+        for something. ``"together": True`` when other workers copy the template too (the
+        copy then keeps its window small: :meth:`~dask_pcm.templates.window.Window.shared`)."""
         ...
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:

@@ -32,6 +32,9 @@ class FetchReport:
     corrupted: int = 0
     rounds: int = 0
     seconds: float = 0.0
+    # Chunks in flight at the end and at most (pcm.template.in-flight adapted to the link).
+    window: int = 0
+    peak_window: int = 0
     peers: dict[str, PeerRecord] = field(default_factory=dict)
 
     @property

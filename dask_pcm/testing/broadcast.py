@@ -16,7 +16,7 @@ distributed's ``send_recv``. What is simulated is the network and the clock:
   the real time of its work, not of its waits. Work handed to threads (disk writes, hashing)
   is waited for with the clock stopped: disk and CPU cost no simulated time, the network all
   of it. The scheduler's own time is the exception: every directory call is charged the
-  real time it took, one call at a time, as on the scheduler's single event loop.
+  CPU time it took, one call at a time, as on the scheduler's single event loop.
 
 The template's bytes are synthetic and ``scale`` times smaller than the sizes simulated (a
 3.4 GB template is 13 KB on disk at the default scale): chunks are real files, verified
@@ -32,13 +32,14 @@ Example
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from dask_pcm.scheduler.directory import ChunkDirectory
 from dask_pcm.templates.fetch import DirectoryPlanner, SourcePlanner, fetch
 from dask_pcm.templates.manifest import FileEntry, Manifest, _digest, read_chunk
 from dask_pcm.templates.reader import SourceReader
+from dask_pcm.templates.report import FetchReport
 from dask_pcm.templates.serve import TemplateStore
 from dask_pcm.testing.netsim import Network, VirtualClockLoop
 
@@ -79,12 +81,13 @@ class _Comm:
         msg = self.request
         handler = self.sim.workers[self.peer].handlers[msg.pop("op")]
         msg.pop("reply", None)
-        await asyncio.sleep(self.sim.network.latency)  # the request
-        answer = await handler(**msg)
-        data = answer.data if isinstance(answer, Serialize) else answer
-        nbytes = len(data) * self.sim.scale
-        self.sim.uploads[self.peer] = self.sim.uploads.get(self.peer, 0.0) + nbytes
-        await self.sim.network.transfer((f"{self.peer}/up", f"{self.me}/down"), nbytes)
+        with self.sim.receiving(self.me):
+            await asyncio.sleep(self.sim.network.latency)  # the request
+            answer = await handler(**msg)
+            data = answer.data if isinstance(answer, Serialize) else answer
+            nbytes = len(data) * self.sim.scale
+            self.sim.uploads[self.peer] = self.sim.uploads.get(self.peer, 0.0) + nbytes
+            await self.sim.network.transfer((f"{self.peer}/up", f"{self.me}/down"), nbytes)
         return answer
 
     def abort(self) -> None:
@@ -146,7 +149,10 @@ class _SimReader(SourceReader):
 
     async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         data = read_chunk(root, manifest, index)
-        await self.sim.network.transfer(("source", f"{self.me}/down"), len(data) * self.sim.scale)
+        with self.sim.receiving(self.me):
+            await self.sim.network.transfer(
+                ("source", f"{self.me}/down"), len(data) * self.sim.scale
+            )
         return data
 
 
@@ -162,7 +168,20 @@ class _Simulation:
     directory: ChunkDirectory | None = None
     uploads: dict[str, float] = field(default_factory=dict)
     scheduler_seconds: float = 0.0
+    # Chunks each worker is receiving now, and the most at once.
+    in_flight: dict[str, int] = field(default_factory=dict)
+    peak_in_flight: dict[str, int] = field(default_factory=dict)
     _busy_until: float = 0.0
+
+    @contextlib.contextmanager
+    def receiving(self, worker: str) -> Iterator[None]:
+        """``worker`` receives a chunk meanwhile (counted for :attr:`peak_in_flight`)."""
+        now = self.in_flight[worker] = self.in_flight.get(worker, 0) + 1
+        self.peak_in_flight[worker] = max(self.peak_in_flight.get(worker, 0), now)
+        try:
+            yield
+        finally:
+            self.in_flight[worker] -= 1
 
     def attach(self, directory: ChunkDirectory) -> None:
         """Use ``directory``, timing each of its plans and reports."""
@@ -172,11 +191,13 @@ class _Simulation:
 
     def _timed(self, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
+            # CPU time of this thread, not the wall clock: on a busy machine a call that is
+            # descheduled midway must not make the simulated scheduler slower.
+            start = time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - start
+                spent = time.thread_time() - start
                 self.scheduler_seconds += spent
                 charge = _CHARGE.get(None)
                 if charge is not None:
@@ -239,6 +260,7 @@ async def _broadcast(
     scale: int,
     in_flight: int,
     max_uploads: int,
+    max_in_flight: int | None,
 ) -> dict[str, Any]:
     manifest, root = synthetic_template(folder / "source", template_bytes, chunk_size, scale)
     names = [f"sim://worker-{i}" for i in range(n)]
@@ -250,14 +272,17 @@ async def _broadcast(
     held: dict[str, float] = {}  # worker -> when it held the whole template
     sim.attach(
         ChunkDirectory(
-            whole_copies=lambda digest: set(held),
+            whole_copies=lambda digest: held.keys(),  # a view: no copy per plan
             connected=lambda: sim.workers.keys(),
             max_uploads=max_uploads,
         )
     )
 
+    windows: dict[str, int] = {}  # worker -> the most chunks it had in flight
+
     async def copy(i: int, name: str) -> None:
         worker = sim.workers[name]
+        report = FetchReport()
         planner = (
             DirectoryPlanner(worker, manifest.digest) if mode == "p2p" else SourcePlanner()  # type: ignore[arg-type]
         )
@@ -270,7 +295,10 @@ async def _broadcast(
             reader=_SimReader(sim, name),
             in_flight=in_flight,
             timeout=None,
+            max_in_flight=max_in_flight,
+            report=report,
         )
+        windows[name] = report.peak_window
         held[name] = asyncio.get_running_loop().time()
 
     real = time.perf_counter()
@@ -289,6 +317,8 @@ async def _broadcast(
         "template_bytes": manifest.total_bytes * scale,
         "chunks": manifest.nchunks,
         "scheduler_seconds": sim.scheduler_seconds,
+        "peak_windows": [windows[name] for name in names],
+        "peak_in_flight": max(sim.peak_in_flight.values(), default=0),
         "real_seconds": time.perf_counter() - real,
     }
 
@@ -305,6 +335,7 @@ def simulate(
     scale: int = 1 << 18,
     in_flight: int | None = None,
     max_uploads: int | None = None,
+    max_in_flight: int | None = None,
 ) -> dict[str, Any]:
     """``n`` workers that join at once copy a template; when the last holds it, and traffic.
 
@@ -314,8 +345,11 @@ def simulate(
 
     Returns a dict: ``seconds`` (simulated, until the last worker holds the whole template;
     also ``median_seconds`` and ``first_seconds``), ``source_bytes``, ``peer_bytes``,
-    ``max_peer_upload_bytes`` (the busiest uploader), ``scheduler_seconds`` (real time in
-    the directory) and ``real_seconds`` (what the simulation took).
+    ``max_peer_upload_bytes`` (the busiest uploader), ``scheduler_seconds`` (CPU time in
+    the directory), ``peak_windows`` (each worker's largest window),
+    ``peak_in_flight`` (the most chunks any worker was receiving at once) and
+    ``real_seconds`` (what the simulation took). ``in_flight``, ``max_in_flight`` and
+    ``max_uploads`` default to their ``pcm.template`` settings.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -347,6 +381,7 @@ def simulate(
                     scale,
                     in_flight,
                     max_uploads,
+                    max_in_flight,
                 )
             )
     finally:
