@@ -1,24 +1,26 @@
 """Block-local attention for rows laid end to end after a kept prefix.
 
-After a kept prefix, :func:`dask_pcm.engine.prefix.forward` runs a pass's rows (each
+After a kept prefix, :func:`dask_pcm.engine.prefix.by_rows` runs a pass's rows (each
 prompt's own tokens) as one sequence, end to end, so that the matrix products see no
-padding. Masked attention over such a sequence scores every query against all of its keys
-and hides the other rows' afterwards: its work grows with the whole sequence, not with the
-row. Here each query is scored against the prefix's keys and its own row's keys up to
-itself only, as the same prompt alone would be:
+padding. Masked attention over such a sequence would score every query against all of its
+keys and hide the other rows' afterwards: work that grows with the whole sequence, not with
+the row. Here attention alone regroups the rows into *blocks* of whole rows of up to
+:data:`BLOCK_TOKENS` tokens, and each query is scored against the prefix's keys and its
+block's keys, under a mask that lets it see its own row up to itself only, as the same
+prompt alone would:
 
-- :class:`Rows`: where each row's tokens sit in the sequence, as indices that lay them out
-  as a block of ``[rows, longest]`` (shorter rows padded at the end) and back;
+- :class:`Blocks`: where the sequence's positions sit in the blocks, and the mask;
 - :func:`rows_attention`: the attention function, registered with transformers' attention
-  interface as :data:`NAME` (:func:`attending_by_rows`, for the length of one pass);
+  interface as :data:`NAME` and set on the model for the length of one pass
+  (:func:`attending_by_rows`);
 - :func:`applies`: whether a model's attention can be replaced so.
 
-Why two parts: the prefix's keys are the same for every query, so its scores are one dense
-product of all queries (grouped by key/value head, without copying the keys per query head);
-the row's own keys come from the block. Both parts share one softmax, so the result is the
-attention over the prefix and the row, to float rounding. Why a block and not the sequence:
-rows of a pass have about the same length (prompts run shortest first), so the block holds
-little padding, while every row of a sequence would otherwise see all of its keys.
+Why blocks of a few rows, not the sequence and not one row each: a query's work is the
+prefix plus its block, so shorter blocks waste fewer keys, while every block copies the
+prefix's keys and values once and a fused attention kernel runs tiny problems poorly; rows
+of one pass differ in length (prompts run shortest first, but a pass holds the short and
+the long of a task), so a block of rows wastes less than a block per row padded to the
+longest. The matrix products before and after attention stay on the one sequence.
 """
 
 from __future__ import annotations
@@ -31,74 +33,97 @@ from typing import Any
 
 #: The attention implementation's name in transformers' attention interface.
 NAME = "dask_pcm_rows"
+#: Most tokens of a block (a row longer than this is a block alone).
+BLOCK_TOKENS = 64
 
 
 @dataclass(frozen=True)
-class Rows:
-    """Rows laid end to end in one sequence of ``sum(lengths)`` tokens, and the indices
-    that gather them into a block of ``[len(lengths), longest]`` and back (on the model's
-    device).
+class Blocks:
+    """Rows laid end to end in one sequence, regrouped for attention into blocks of whole
+    rows (on the model's device).
 
     Attributes
     ----------
-    lengths
-        Tokens of each row, in the order they are laid.
     gather
-        ``[rows * longest]``: the sequence position of each place of the block; a place
-        after a row's end repeats the row's last token (its query is dropped, its key is
-        never seen by the row's queries).
+        ``[blocks * width]``: the sequence position of each place of the blocks, block
+        after block; a padding place repeats a position of its block (its query is
+        dropped, its key seen by no row).
     scatter
-        ``[sum(lengths)]``: the place in the block of each position of the sequence.
-    later
-        ``[longest, longest]``, true where a key comes after the query (hidden).
+        ``[tokens]``: the place of each position of the sequence.
+    mask
+        ``[blocks, 1, width, prefix + width]``, additive (0 where a place's query sees the
+        key, the dtype's lowest value where not): the prefix, and its own row up to itself.
     """
 
-    lengths: tuple[int, ...]
     gather: Any
     scatter: Any
-    later: Any
+    mask: Any
 
     @property
-    def longest(self) -> int:
-        return max(self.lengths)
+    def count(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[2])
 
 
-def rows_of(lengths: Sequence[int], device: Any = "cpu") -> Rows:
-    """The :class:`Rows` of rows of ``lengths`` tokens, end to end.
+def blocks_of(
+    lengths: Sequence[int], starts: Sequence[tuple[int, int]], mask: Any, dtype: Any, device: Any
+) -> Blocks:
+    """:class:`Blocks` of rows of ``lengths`` tokens (in the order laid end to end) placed
+    as :func:`dask_pcm.engine.prefix.packed` places rows in sequences: row ``i`` at
+    ``starts[i]`` (block, column), padded on the left, ``mask`` its boolean mask.
 
     Example
     -------
-    >>> rows = rows_of([2, 3])
-    >>> rows.gather.tolist(), rows.scatter.tolist()
-    ([0, 1, 1, 2, 3, 4], [0, 1, 3, 4, 5])
+    >>> import torch
+    >>> from dask_pcm.engine.prefix import packed
+    >>> _, mask, _, starts = packed([[5, 6], [7], [8, 9, 4]], [[0, 1], [2]], 0, 1)
+    >>> blocks = blocks_of([2, 1, 3], starts, mask, torch.float32, "cpu")
+    >>> blocks.gather.tolist(), blocks.scatter.tolist()
+    ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5])
     """
     import torch
 
-    longest = max(lengths)
-    gather: list[int] = []
+    count, width = int(mask.shape[0]), int(mask.shape[2])
+    gather = [-1] * (count * width)
     scatter: list[int] = []
-    start = 0
-    for r, n in enumerate(lengths):
-        gather += [start + min(j, n - 1) for j in range(longest)]
-        scatter += range(r * longest, r * longest + n)
-        start += n
-    later = torch.ones(longest, longest, dtype=torch.bool).triu(1)
-    return Rows(
-        tuple(lengths),
+    position = 0
+    for (block, column), n in zip(starts, lengths, strict=True):
+        first = block * width + column
+        gather[first : first + n] = range(position, position + n)
+        scatter += range(first, first + n)
+        position += n
+    for block in range(count):  # the left padding: the block's first real token
+        places = gather[block * width : (block + 1) * width]
+        real = next(p for p in places if p >= 0)
+        gather[block * width : (block + 1) * width] = [real if p < 0 else p for p in places]
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    return Blocks(
         torch.tensor(gather, device=device),
         torch.tensor(scatter, device=device),
-        later.to(device),
+        additive.to(device),
     )
 
 
 def applies(model: Any) -> bool:
-    """Whether :func:`rows_attention` can stand in for ``model``'s attention: a model built
-    on transformers' attention interface with ``sdpa`` or ``eager`` attention, no sliding
-    window and no soft-capped scores (those need a mask or a cap this function does not
-    apply)."""
+    """Whether :func:`rows_attention` stands in for ``model``'s attention after a kept
+    prefix: a model on a CPU built on transformers' attention interface with ``sdpa`` or
+    ``eager`` attention, no sliding window and no soft-capped scores (a mask or a cap this
+    function does not apply).
+
+    On a GPU the masked packing stays (:func:`dask_pcm.engine.prefix.packed`): there the
+    blocks' copies of the prefix's keys and values (one per block rather than one per
+    sequence of :data:`~dask_pcm.engine.prefix.PACK_TOKENS`) would cost memory that the
+    pass sizes (:func:`dask_pcm.engine.gpu.prompt_bytes`) do not reserve, and a fused
+    kernel's work on masked keys weighs less.
+    """
     config = getattr(model, "config", None)
+    device = getattr(model, "device", None)
     return (
-        bool(getattr(model, "_supports_attention_backend", False))
+        getattr(device, "type", None) == "cpu"
+        and bool(getattr(model, "_supports_attention_backend", False))
         and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
         and not getattr(config, "sliding_window", None)
         and not any("sliding" in str(t) for t in getattr(config, "layer_types", None) or ())
@@ -109,7 +134,7 @@ def applies(model: Any) -> bool:
 @contextmanager
 def attending_by_rows(model: Any) -> Iterator[None]:
     """Within it, ``model``'s layers call :func:`rows_attention`; its own implementation
-    again after. Only the passes of :func:`dask_pcm.engine.prefix.forward` run within, so
+    again after. Only the passes of :func:`dask_pcm.engine.prefix.by_rows` run within, so
     generation and whole prompts keep the model's own attention, bit for bit. The model's
     config says which attention function every layer calls, for every thread: callers hold
     the model's lock (as every pass does)."""
@@ -139,58 +164,39 @@ def rows_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     *,
-    pcm_rows: Rows,
+    pcm_blocks: Blocks,
     pcm_prefix: Sequence[tuple[Any, Any]],
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """Attention of one sequence of rows end to end (``pcm_rows``) after the kept states
-    ``pcm_prefix`` (per layer, keys and values ``[1, kv_heads, prefix, head_dim]``): each
-    query against the prefix's keys and its own row's keys up to itself.
+    """Attention of one sequence of rows end to end after the kept states ``pcm_prefix``
+    (per layer, keys and values ``[1, kv_heads, prefix, head_dim]``), in ``pcm_blocks``:
+    each query against the prefix's keys and its own row's keys up to itself.
 
     Called by the model's attention layers (transformers' attention interface) with
     ``query`` ``[1, heads, tokens, head_dim]`` and ``key``, ``value`` ``[1, kv_heads,
     tokens, head_dim]`` of the sequence's own tokens (no cache: the prefix comes as
-    ``pcm_prefix``); ``attention_mask`` is ``None`` (the rows say what each query sees).
-    Returns the output ``[1, tokens, heads, head_dim]`` and no weights.
+    ``pcm_prefix``); ``attention_mask`` is ``None`` (the blocks' mask says what each query
+    sees). Returns the output ``[1, tokens, heads, head_dim]`` and no weights.
     """
     import torch
 
-    rows = pcm_rows
+    blocks = pcm_blocks
     prefix_keys, prefix_values = pcm_prefix[module.layer_idx]
-    _, heads, tokens, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads  # query heads per key/value head, as repeat_kv lays them
-    count, longest = len(rows.lengths), rows.longest
-    scale = dim**-0.5 if scaling is None else scaling
+    tokens, count, width = query.shape[2], blocks.count, blocks.width
 
-    def block(states: Any) -> Any:
-        # [1, n_heads, tokens, dim] -> [kv_heads, rows * longest, n_heads // kv_heads * dim]:
-        # each key/value head's part of the block, rows one after the other.
-        flat = states[0].transpose(0, 1).reshape(tokens, kv_heads, -1)
-        return flat.transpose(0, 1).index_select(1, rows.gather)
+    def placed(states: Any) -> Any:
+        # [1, n, tokens, dim] -> [blocks, n, width, dim]: the layers lay a token's heads
+        # side by side, so the rows are gathered whole.
+        _, n, _, dim = states.shape
+        flat = states[0].transpose(0, 1).reshape(tokens, n * dim)
+        return flat.index_select(0, blocks.gather).view(count, width, n, dim).transpose(1, 2)
 
-    queries = block(query).view(kv_heads, count * longest * group, dim)
-    # The scale folded into the keys: fewer of them than scores.
-    keys = block(key).mul_(scale).view(kv_heads * count, longest, dim)
-    values = block(value).view(kv_heads * count, longest, dim)
-    width = prefix_keys.shape[2]
-    # One product per key/value head over every query of the block for the prefix; one per
-    # row and head for the row's own keys. A query's scores lie side by side, so a single
-    # softmax normalises over both.
-    scores = queries.new_empty(kv_heads, count, longest * group, width + longest)
-    scores[..., :width] = torch.matmul(queries, prefix_keys[0].transpose(1, 2) * scale).view(
-        kv_heads, count, longest * group, width
+    keys = torch.cat([prefix_keys.expand(count, -1, -1, -1), placed(key)], dim=2)
+    values = torch.cat([prefix_values.expand(count, -1, -1, -1), placed(value)], dim=2)
+    # Grouped-query heads attend to their key/value head in the kernel, without copies.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        placed(query), keys, values, attn_mask=blocks.mask, scale=scaling, enable_gqa=True
     )
-    own = torch.matmul(queries.view(kv_heads * count, longest * group, dim), keys.transpose(1, 2))
-    hidden = rows.later[:, None, :].expand(longest, group, longest).reshape(longest * group, -1)
-    scores[..., width:] = own.masked_fill_(hidden, float("-inf")).view(
-        kv_heads, count, longest * group, longest
-    )
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(
-        weights[..., :width].reshape(kv_heads, count * longest * group, width), prefix_values[0]
-    ).view(kv_heads * count, longest * group, dim)
-    out.baddbmm_(weights[..., width:].reshape(kv_heads * count, longest * group, longest), values)
-    # Back to the sequence's order, [tokens, heads, head_dim] with head = kv_head * group + i.
-    out = out.view(kv_heads, count * longest, group * dim).transpose(0, 1)
-    return out.index_select(0, rows.scatter).view(1, tokens, heads, dim), None
+    heads, dim = out.shape[1], out.shape[3]
+    out = out.transpose(1, 2).reshape(count * width, heads, dim).index_select(0, blocks.scatter)
+    return out[None], None

@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from dask_pcm.engine.attention import applies, attending_by_rows, rows_of
+from dask_pcm.engine.attention import BLOCK_TOKENS, applies, attending_by_rows, blocks_of
 
 # Below this many shared tokens a cache entry saves less than it costs to look up and expand.
 MIN_PREFIX_TOKENS = 4
@@ -312,15 +312,19 @@ def by_rows(
     keep: int = 1,
 ) -> Any:
     """:func:`forward` after a kept prefix with block-local attention
-    (:mod:`dask_pcm.engine.attention`): ``rows`` end to end in one sequence, no padding,
-    each query scored against the prefix and its own row only; the logits as there."""
+    (:mod:`dask_pcm.engine.attention`): ``rows`` end to end in one sequence, no padding;
+    for attention alone, laid as :func:`packed` lays rows in sequences, in blocks of up to
+    :data:`~dask_pcm.engine.attention.BLOCK_TOKENS` tokens (:func:`balanced`); the logits
+    as :func:`forward` gives them."""
     import torch
 
     lengths = [len(r) for r in rows]
     input_ids = torch.tensor([[t for row in rows for t in row]], dtype=torch.long)
     positions = torch.tensor([[prefix_len + j for n in lengths for j in range(n)]])
+    _, mask, _, starts = packed(rows, balanced(lengths, BLOCK_TOKENS), 0, prefix_len)
+    blocks = blocks_of(lengths, starts, mask, model.dtype, device)
     # Each row's last positions, the head's only columns (a contiguous copy of a few hidden
-    # states, see below).
+    # states, see forward).
     ends = list(itertools.accumulate(lengths))
     spans = [range(end - min(keep, n), end) for end, n in zip(ends, lengths, strict=True)]
     columns = [c for span in spans for c in span]
@@ -330,11 +334,11 @@ def by_rows(
             position_ids=to_device(positions, device),
             use_cache=False,
             logits_to_keep=to_device(torch.tensor(columns), device),
-            pcm_rows=rows_of(lengths, device),
+            pcm_blocks=blocks,
             pcm_prefix=prefix,
         )
         kept = out.logits[0]  # [columns, vocab]
-        firsts = list(itertools.accumulate((len(span) for span in spans), initial=0))
+        firsts = itertools.accumulate((len(span) for span in spans), initial=0)
         # A row shorter than keep repeats its first kept column before it.
         index = torch.tensor(
             [

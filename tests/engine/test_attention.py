@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import dask_pcm.engine.prefix as prefix_module
-from dask_pcm.engine.attention import NAME, applies, rows_attention, rows_of
-from dask_pcm.engine.prefix import forward, prefix_states
+from dask_pcm.engine.attention import NAME, applies, blocks_of, rows_attention
+from dask_pcm.engine.prefix import balanced, forward, packed, prefix_states
 
 HEADS, KV_HEADS, DIM = 6, 2, 8  # three query heads per key/value head
 
@@ -35,8 +35,11 @@ def alone(query, key, value, prefix_keys, prefix_values, lengths, scale):
     return torch.cat(out)[None]
 
 
-@pytest.mark.parametrize("lengths", [[1, 5, 2, 7, 3], [4], [1, 1, 1], [9, 2]])
-def test_each_query_sees_the_prefix_and_its_own_row_only(lengths):
+@pytest.mark.parametrize(
+    ("lengths", "block"),
+    [([1, 5, 2, 7, 3], 8), ([1, 5, 2, 7, 3], 64), ([4], 8), ([1, 1, 1], 2), ([9, 2], 4)],
+)
+def test_each_query_sees_the_prefix_and_its_own_row_only(lengths, block):
     torch.manual_seed(0)
     tokens, width, scale = sum(lengths), 5, DIM**-0.5
     # As a model's layers hand them over: [1, heads, tokens, dim], laid token by token.
@@ -45,10 +48,16 @@ def test_each_query_sees_the_prefix_and_its_own_row_only(lengths):
     value = torch.randn(1, tokens, KV_HEADS, DIM).transpose(1, 2)
     prefix = [(torch.randn(1, KV_HEADS, width, DIM), torch.randn(1, KV_HEADS, width, DIM))]
     layer = SimpleNamespace(layer_idx=0)
-    rows = rows_of(lengths)
-    got, weights = rows_attention(
-        layer, query, key, value, None, scaling=scale, pcm_rows=rows, pcm_prefix=prefix
-    )
+    rows = [[0] * n for n in lengths]
+    _, mask, _, starts = packed(rows, balanced(lengths, block), 0, width)
+    blocks = blocks_of(lengths, starts, mask, torch.float32, "cpu")
+
+    def attend():
+        return rows_attention(
+            layer, query, key, value, None, scaling=scale, pcm_blocks=blocks, pcm_prefix=prefix
+        )
+
+    got, weights = attend()
     assert weights is None and got.shape == (1, tokens, HEADS, DIM)
     want = alone(query, key, value, *prefix[0], lengths, scale)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -56,10 +65,7 @@ def test_each_query_sees_the_prefix_and_its_own_row_only(lengths):
     first = lengths[0]
     key[0, :, first:] += 10.0
     value[0, :, first:] -= 3.0
-    again, _ = rows_attention(
-        layer, query, key, value, None, scaling=scale, pcm_rows=rows, pcm_prefix=prefix
-    )
-    torch.testing.assert_close(again[:, :first], got[:, :first], atol=1e-6, rtol=0)
+    torch.testing.assert_close(attend()[0][:, :first], got[:, :first], atol=1e-6, rtol=0)
 
 
 def _gqa_llama(attention: str = "sdpa"):
