@@ -36,9 +36,11 @@ Columns, one row per template:
   shared when the two merge), the part run once per worker; ``a-b`` when tasks differ.
 - ``run w/o``, ``run with``: token positions a forward pass runs per claim, padding included,
   as the model batches them (prompts sorted by length; whole prompts in passes of 8 padded
-  rows; after the kept prefix, packed end to end in sequences of up to 256 tokens, 8
-  sequences a pass, balanced: as few as that takes, the longest as short as it can be):
-  what the work shrinks to.
+  rows; after the kept prefix, end to end: where the model's attention allows block-local
+  attention (``dask_pcm.engine.attention``, the embedded model's does) a pass's rows as one
+  sequence without padding, the claims' own tokens only; else packed in sequences of up to
+  256 tokens, 8 sequences a pass, balanced: as few as that takes, the longest as short as
+  it can be, padded to the pass's longest): what the work shrinks to.
 - ``w/o c/s``, ``with c/s``: median claims/s over the repetitions.
 - ``ratio``: median with / median without; ``range``: the lowest and highest ratio of one
   repetition's pair (the pairs are printed below the table); the JSON has the 95 % interval
@@ -95,6 +97,7 @@ import dask_pcm
 from dask_pcm.apps.fever import Claim, PromptTemplate, get_templates
 from dask_pcm.apps.fever.scoring import score_generate
 from dask_pcm.apps.fever.units import CONTEXT, score_unit, template_head
+from dask_pcm.engine.attention import applies
 from dask_pcm.engine.prefix import (
     MIN_PREFIX_TOKENS,
     PACK_TOKENS,
@@ -159,6 +162,7 @@ def worker_model() -> dict[str, Any]:
         "prefix_entries": 0 if cache is None else len(cache),
         "prefix_cache_bytes": int(lm.prefix_cache_bytes),
         "packable": packable(lm.model),
+        "by_rows": applies(lm.model),
     }
 
 
@@ -212,12 +216,15 @@ def token_counts(
     chunks: list[list[Claim]],
     rows_per_pass: int,
     packs: bool,
+    by_rows: bool = False,
 ) -> dict[str, Any]:
     """Tokens per prompt, shared prefix per task and token positions run per claim, with and
     without the prefix, counted as ``LanguageModel.next_token_logits`` runs them: prompts
     sorted by length; whole prompts padded in passes of ``rows_per_pass``; after a kept
-    prefix (``packs``: the model packs) laid end to end in sequences of up to ``PACK_TOKENS``,
-    ``rows_per_pass`` sequences a pass, balanced and padded to the pass's longest."""
+    prefix (``packs``: the model packs) laid end to end: with block-local attention
+    (``by_rows``) the rows of a pass as one sequence, no padding; else in sequences of up to
+    ``PACK_TOKENS``, ``rows_per_pass`` sequences a pass, balanced and padded to the pass's
+    longest."""
     head = tokenizer(template_head(template, tokenizer))["input_ids"]
     lengths: list[int] = []
     shared_per_task: list[int] = []
@@ -234,7 +241,9 @@ def token_counts(
         lengths += ordered
         run_without += _padded_positions(ordered, rows_per_pass)
         rest = [n - shared for n in ordered]
-        if shared and packs:
+        if shared and packs and by_rows:
+            run_with += sum(rest)
+        elif shared and packs:
             # In passes of rows_per_pass sequences (loaders.passes.in_passes), each pass's
             # rows balanced over as few sequences (loaders.prefix.forward), padded to the
             # pass's longest.
@@ -258,6 +267,7 @@ def token_counts(
         "run_tokens_without": run_without / len(lengths),
         "run_tokens_with": run_with / len(lengths),
         "packed": bool(packs and high),
+        "by_rows": bool(packs and by_rows and high),
     }
 
 
@@ -591,8 +601,9 @@ def main() -> None:
         if any(i["prefix_cache_limit"] is None for i in info):
             sys.exit("pcm.worker.prefix-cache is off on the workers: nothing to measure")
         rows_per_pass, packs = info[0]["batch_size"], info[0]["packable"]
+        by_rows = info[0]["by_rows"]
         for template in templates:
-            counts = token_counts(tokenizer, template, chunks, rows_per_pass, packs)
+            counts = token_counts(tokenizer, template, chunks, rows_per_pass, packs, by_rows)
             rows.append(
                 {**counts, **run_template(client, template, chunks, repeats, workers, args.seed)}
             )

@@ -10,32 +10,41 @@ kept, so that a forward pass runs only each prompt's own tokens.
 - :func:`forward`: one forward pass over token id lists, from a cached prefix or from
   nothing, giving the logits of each row's last positions. Positions count real tokens
   only, so a row computes what the same prompt alone would. Whole prompts are padded on the
-  left (:func:`left_padded`); rows after a kept prefix are *packed* (:func:`packed`): short
-  rows laid end to end in sequences of up to :data:`PACK_TOKENS` tokens, each row seeing the
-  prefix and its own tokens only, so that no position is padding and the prefix's states
-  enter the pass once per sequence rather than once per row.
+  left (:func:`left_padded`). Rows after a kept prefix are laid end to end, so that no
+  position is padding and the prefix's states enter the pass once, not once per row: in one
+  sequence, with block-local attention (:func:`by_rows`, :mod:`dask_pcm.engine.attention`:
+  each query scored against the prefix and its own row only) where the model's attention
+  allows it; else *packed* (:func:`packed`) in sequences of up to :data:`PACK_TOKENS`
+  tokens under a mask that lets each row see the prefix and its own tokens.
 - :func:`last_logits`: each row's next-token logits, on the CPU.
 
 Why rows are packed, and the head gets a contiguous copy: before, a pass after a kept prefix
 spent much of its time on padding to the longest row of the pass, on the language-model head
 over a non-contiguous slice of the hidden states (a batched matmul over a copy of the
-weights per row) and on the prefix's states concatenated once per row in every layer.
+weights per row) and on the prefix's states concatenated once per row in every layer. Why
+block-local attention: under the mask, every query of a packed sequence is still scored
+against all of the sequence's keys, so attention took a growing share of a pass.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from dask_pcm.engine.attention import BLOCK_TOKENS, applies, attending_by_rows, blocks_of
+
 # Below this many shared tokens a cache entry saves less than it costs to look up and expand.
 MIN_PREFIX_TOKENS = 4
-# Tokens per packed sequence. Every query of a packed sequence is computed against all of its
-# keys (the mask hides the other rows'), so attention grows with the sequence while the fixed
-# costs of a pass (reading the weights, the head) shrink per token: between the two, a small
-# model on a CPU runs the most positions per second at a few hundred tokens.
+# Tokens per packed sequence; a pass after a kept prefix takes as many sequences as it would
+# take whole prompts (passes.in_passes). Under the mask every query of a packed sequence is
+# computed against all of its keys (the other rows' hidden), so attention grows with the
+# sequence while the fixed costs of a pass (reading the weights, the head) shrink per token:
+# between the two, a small model on a CPU runs the most positions per second at a few hundred
+# tokens. With block-local attention (by_rows) a pass's sequences run as one, without padding.
 PACK_TOKENS = 256
 
 States = list[tuple[Any, Any]]  # per layer: keys and values, [1, kv_heads, tokens, head_dim]
@@ -229,12 +238,17 @@ def forward(
     row ``i``'s token ``j`` (of ``n``) at column ``keep - n + j``; the columns before a row
     shorter than ``keep`` hold nothing of it.
 
-    After a kept prefix the rows are packed (:func:`packed`) where the model allows it
-    (:func:`packable`); whole prompts are padded on the left (:func:`left_padded`).
+    After a kept prefix the rows run end to end with block-local attention
+    (:func:`by_rows`) where the model's attention allows it
+    (:func:`~dask_pcm.engine.attention.applies`), else packed under a mask (:func:`packed`)
+    where the model takes one (:func:`packable`); whole prompts are padded on the left
+    (:func:`left_padded`).
     """
     import torch
     from transformers import DynamicCache
 
+    if prefix is not None and applies(model):
+        return by_rows(model, rows, device, prefix, prefix_len, keep)
     lengths = [len(r) for r in rows]
     is_packed = prefix is not None and packable(model)
     if is_packed:
@@ -287,6 +301,52 @@ def forward(
         )
         logits = kept[to_device(sequence, kept.device), to_device(index, kept.device)]
     return logits
+
+
+def by_rows(
+    model: Any,
+    rows: Sequence[Sequence[int]],
+    device: str,
+    prefix: States,
+    prefix_len: int,
+    keep: int = 1,
+) -> Any:
+    """:func:`forward` after a kept prefix with block-local attention
+    (:mod:`dask_pcm.engine.attention`): ``rows`` end to end in one sequence, no padding;
+    for attention alone, laid as :func:`packed` lays rows in sequences, in blocks of up to
+    :data:`~dask_pcm.engine.attention.BLOCK_TOKENS` tokens (:func:`balanced`); the logits
+    as :func:`forward` gives them."""
+    import torch
+
+    lengths = [len(r) for r in rows]
+    input_ids = torch.tensor([[t for row in rows for t in row]], dtype=torch.long)
+    positions = torch.tensor([[prefix_len + j for n in lengths for j in range(n)]])
+    _, mask, _, starts = packed(rows, balanced(lengths, BLOCK_TOKENS), 0, prefix_len)
+    blocks = blocks_of(lengths, starts, mask, model.dtype, device)
+    # Each row's last positions, the head's only columns (a contiguous copy of a few hidden
+    # states, see forward).
+    ends = list(itertools.accumulate(lengths))
+    spans = [range(end - min(keep, n), end) for end, n in zip(ends, lengths, strict=True)]
+    columns = [c for span in spans for c in span]
+    with attending_by_rows(model), torch.inference_mode():
+        out = model(
+            input_ids=to_device(input_ids, device),
+            position_ids=to_device(positions, device),
+            use_cache=False,
+            logits_to_keep=to_device(torch.tensor(columns), device),
+            pcm_blocks=blocks,
+            pcm_prefix=prefix,
+        )
+        kept = out.logits[0]  # [columns, vocab]
+        firsts = itertools.accumulate((len(span) for span in spans), initial=0)
+        # A row shorter than keep repeats its first kept column before it.
+        index = torch.tensor(
+            [
+                [first + max(0, k - keep + len(span)) for k in range(keep)]
+                for first, span in zip(firsts, spans, strict=False)
+            ]
+        )
+        return kept[to_device(index, kept.device)]
 
 
 def packed(

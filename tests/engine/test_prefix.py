@@ -128,7 +128,8 @@ def test_short_rows_after_a_kept_prefix_share_one_pass_and_score_as_alone(lm, mo
     lm.next_token_logits(prompts, prefix=head)  # the prefix's states, kept
     ids = lm.tokenizer(prompts)["input_ids"]
     shared = shared_prefix(ids, lm.tokenizer(head)["input_ids"])
-    sequences = balanced(sorted(len(seq) - shared for seq in ids), PACK_TOKENS)
+    own = sorted(len(seq) - shared for seq in ids)
+    sequences = balanced(own, PACK_TOKENS)
     calls = []
     hook = lm.model.register_forward_pre_hook(
         lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)),
@@ -137,16 +138,21 @@ def test_short_rows_after_a_kept_prefix_share_one_pass_and_score_as_alone(lm, mo
     request.addfinalizer(hook.remove)
     kept = lm.next_token_logits(prompts, prefix=head)
     torch.testing.assert_close(kept, alone, atol=1e-4, rtol=0)
-    # 20 rows, more than batch_size: one pass of sequences without padding between rows.
-    width = max(sum(sorted(len(seq) - shared for seq in ids)[i] for i in seq) for seq in sequences)
+    # 20 rows, more than batch_size: one pass, its rows end to end in one sequence (the
+    # rows' attention, engine.attention), no padding.
     assert lm.batch_size == 8 and len(sequences) <= 8
-    assert calls == [(len(sequences), width)]
+    assert calls == [(1, sum(own))]
     # Shorter sequences: more of them, in as many passes as batch_size asks.
     monkeypatch.setattr(passes_module, "PACK_TOKENS", 40)
     monkeypatch.setattr(prefix_module, "PACK_TOKENS", 40)
     calls.clear()
     torch.testing.assert_close(lm.next_token_logits(prompts, prefix=head), alone, atol=1e-4, rtol=0)
-    count = len(pack(sorted(len(seq) - shared for seq in ids), 40))
+    count = len(pack(own, 40))
+    assert len(calls) == -(-count // 8) and sum(n for _, n in calls) == sum(own)
+    # Where the rows' attention does not apply: packed sequences under a mask.
+    monkeypatch.setattr(prefix_module, "applies", lambda model: False)
+    calls.clear()
+    torch.testing.assert_close(lm.next_token_logits(prompts, prefix=head), alone, atol=1e-4, rtol=0)
     assert [n for n, _ in calls] == [8] * (count // 8) + ([count % 8] if count % 8 else [])
 
 
