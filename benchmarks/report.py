@@ -510,6 +510,8 @@ TRANSFER_ROUNDS: list[Column] = [
 
 
 def _scale_out_transfer(folder: Path) -> Block:
+    if dated_files("scale-out-copy", folder):  # scale_out.py --quick, copy rounds (issue 43)
+        return _scale_out_transfer_rounds(load_stamped("scale-out-copy", folder))
     src = load_stamped("scale-out", folder)
     if "transfer_intervals" in src.summary:
         return _scale_out_transfer_rounds(src)
@@ -565,6 +567,13 @@ def _scale_out_transfer_rounds(src: Loaded) -> Block:
         "bytes raw and verified (the receiver hashes what it reads, one reused buffer), in "
         "an order drawn per round."
     )
+    sizes = sorted({r["n"] for r in src.rows})
+    if sizes:
+        held = [
+            [str(n), show(figure(src, metric="p2p_over_source_held", n=n), strong=True)]
+            for n in sizes
+        ]
+        text += "\n\n" + table(["N (one host)", "p2p / source, held"], held, "rr")
     return Block(f"{columns_table(rows, TRANSFER_ROUNDS)}\n\n{text}", [src])
 
 
@@ -1069,6 +1078,7 @@ RUNS = {
     "scale-out": "scale_out.py",
     "scale-out-simulated": "scale_out.py --simulate",
     "scale-out-hosts": "scale_out.py --hosts",
+    "scale-out-copy": "scale_out.py --quick",
     "peers": "peers.py",
     "scheduler-overhead": "scheduler_overhead.py",
     "prefix": "prefix.py",
