@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import heapq
+import itertools
 import logging
 import random
 import time
@@ -48,6 +48,9 @@ PEERS_OFFERED = 3
 HOLDERS_WEIGHED = 16
 # Waiting plans woken by one change (a chunk held, an upload or a lease done).
 WOKEN_PER_CHANGE = 4
+
+_NOBODY: frozenset[str] = frozenset()
+_NO_HOLDERS: dict[int, set[str]] = {}
 
 
 class ChunkDirectory:
@@ -172,92 +175,92 @@ class ChunkDirectory:
         limit = len(missing) if limit is None else limit
         whole = self._whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
-        bad = self.bad_holders.get(digest, {})
+        bad = self.bad_holders.get(digest, _NO_HOLDERS)
         leases = self.leases.setdefault(digest, {})
-        for index in [i for i, (_, until) in leases.items() if until < now]:
-            del leases[index]
+        if leases:
+            for index in [i for i, (_, until) in leases.items() if until < now]:
+                del leases[index]
         mine_planned = self.planned.setdefault(digest, {}).setdefault(worker, {})
         if mine_planned:  # asked again: what was planned for those chunks is over
             wanted = set(missing)
             for index in [i for i in mine_planned if i in wanted]:
                 self._done(digest, worker, index)
-        load = self.load.setdefault(digest, Counter())
+        load = self.load.get(digest)
+        if load is None:
+            load = self.load[digest] = Counter()
         uploading = self.uploading.setdefault(digest, {})
         busy = self.busy.setdefault(digest, set())
-        # Rarest first, ties in random order (holder counts before bad ones and the asker
-        # are taken out: a guide).
-        count = {i: len(holders.get(i, ())) for i in missing}
-        # Ties in the order of ``missing`` turned at a random place: askers that miss the
-        # same chunks start at different ones (cheaper than a shuffle, per plan).
-        turn = random.randrange(len(missing)) if missing else 0
-        order = sorted(missing[turn:] + missing[:turn], key=count.__getitem__)
-        nobody = [] if whole else [i for i in order if not count[i]]
+        # Rarest first, ties in the order of ``missing`` turned at a random place: askers
+        # that miss the same chunks start at different ones (cheaper than a shuffle, per
+        # plan). Holder counts before bad ones and the asker are taken out: a guide.
+        turn = int(random.random() * len(missing))
+        held = holders.get
+        order = sorted(missing[turn:] + missing[:turn], key=lambda i: len(held(i, ())))
+        # Chunks nobody holds come first; with a whole copy somewhere every chunk has one.
+        first = 0
+        if not whole:
+            while first < len(order) and not held(order[first]):
+                first += 1
+        nobody = order[:first]
         peers: dict[int, list[str]] = {}
-        for index in order:
+        # Holders planned for this worker (only those can be serving it alone).
+        mine = set(mine_planned.values())
+        arrived = self.arrived.setdefault(digest, {})
+        for index in itertools.islice(order, first, None):
             if len(peers) >= limit:
                 break
-            if not (count[index] or whole):
-                continue
-            part, skip = holders.get(index, set()), bad.get(index, set()) | {worker}
+            part = held(index, _NOBODY)
+            struck = bad.get(index, _NOBODY)
             who: set[str] = set()
             if len(part) > 2 * HOLDERS_WEIGHED:
                 # The least loaded of a random few: as good a spread as all of them (the
                 # power of a few choices), at a cost per plan that does not grow with N.
                 # (Whole copies made here reported every chunk: they are in ``part``.)
-                who = set(self._draw(digest, index, part)) - skip
+                who = _draw(arrived, index, part)
+                who.discard(worker)
+                if struck:
+                    who -= struck
             if not who:
-                who = (part | whole) - skip
-            if not who:
-                nobody.append(index)
-                continue
+                who = set(part)
+                who.update(whole)
+                who.discard(worker)
+                if struck:
+                    who -= struck
+                if not who:
+                    nobody.append(index)
+                    continue
             # A holder uploading to this worker alone may take more of its chunks than
             # max_uploads: the worker's window, not the directory, says how many its link
             # wants at once. Shared between peers, few at a time pass each chunk on sooner.
-            # (Only holders already planned for this worker can be serving it alone.)
-            free = who - busy or {
-                w for w in set(mine_planned.values()) & who if _only(uploading, w, worker)
-            }
+            free = who - busy or {w for w in who & mine if _only(uploading, w, worker)}
             if free:
-                offered = heapq.nsmallest(
-                    PEERS_OFFERED,
-                    free,
-                    key=lambda w: (load[w], random.random()),
-                )
+                offered = sorted(free, key=lambda w: (load[w], random.random()))[:PEERS_OFFERED]
                 peers[index] = offered
                 mine_planned[index] = holder = offered[0]
-                uploading.setdefault(holder, Counter())[worker] += 1
+                mine.add(holder)
+                to = uploading.get(holder)
+                if to is None:
+                    to = uploading[holder] = Counter()
+                to[worker] += 1
                 load[holder] += 1
                 if load[holder] >= self.max_uploads:
                     busy.add(holder)
         source: list[int] = []
         # Past SOURCE_LEASES, only a worker that nobody else copies the template with (the
         # others hold it whole, or wait for a copy on their host): nobody to pass chunks to.
-        mine = sum(1 for w, _ in leases.values() if w == worker)
+        mine_leases = sum(1 for w, _ in leases.values() if w == worker)
         for index in sorted(nobody):
             if len(peers) + len(source) >= limit or len(leases) >= SOURCE_READS:
                 break
-            if mine >= SOURCE_LEASES and (
-                mine >= SOURCE_READS or self.others_copying(digest, worker, whole)
+            if mine_leases >= SOURCE_LEASES and (
+                mine_leases >= SOURCE_READS or self.others_copying(digest, worker, whole)
             ):
                 break
             if index not in leases:
                 leases[index] = (worker, now + LEASE_SECONDS)
                 source.append(index)
-                mine += 1
+                mine_leases += 1
         return {"peers": peers, "source": source}
-
-    def _draw(self, digest: str, index: int, part: set[str]) -> list[str]:
-        """:data:`HOLDERS_WEIGHED` holders of chunk ``index`` drawn at random (fewer if some
-        drawn left), in time that does not grow with their number."""
-        arrived = self.arrived.setdefault(digest, {}).setdefault(index, [])
-        if len(arrived) > 2 * len(part):  # many have left: forget them
-            arrived[:] = [w for w in arrived if w in part]
-        if len(arrived) <= HOLDERS_WEIGHED:
-            return [w for w in arrived if w in part]
-        # A run of them from a random place: holders that came at about the same time
-        # are as good a draw as any, and a slice costs one random number.
-        start = random.randrange(len(arrived) - HOLDERS_WEIGHED + 1)
-        return [w for w in arrived[start : start + HOLDERS_WEIGHED] if w in part]
 
     def others_copying(
         self, digest: str, worker: str, whole: AbstractSet[str] | None = None
@@ -365,6 +368,23 @@ class ChunkDirectory:
         for copying in self.copying.values():
             copying.pop(worker, None)
         self._notify()
+
+
+def _draw(arrived: dict[int, list[str]], index: int, part: AbstractSet[str]) -> set[str]:
+    """:data:`HOLDERS_WEIGHED` holders of chunk ``index`` drawn at random (fewer if some
+    drawn left), in time that does not grow with their number; ``arrived``: the holders of
+    each chunk in the order they came."""
+    came = arrived.get(index)
+    if came is None:
+        return set()
+    if len(came) > 2 * len(part):  # many have left: forget them
+        came[:] = [w for w in came if w in part]
+    if len(came) <= HOLDERS_WEIGHED:
+        return {w for w in came if w in part}
+    # A run of them from a random place: holders that came at about the same time are as
+    # good a draw as any, and a slice costs one random number.
+    start = int(random.random() * (len(came) - HOLDERS_WEIGHED + 1))
+    return {w for w in came[start : start + HOLDERS_WEIGHED] if w in part}
 
 
 def _only(uploading: dict[str, Counter[str]], holder: str, worker: str) -> bool:
