@@ -121,6 +121,38 @@ def test_a_pass_after_a_kept_prefix_is_one_sequence_scored_as_each_prompt_alone(
     assert model.config._attn_implementation == attention and applies(model)
 
 
+def test_a_pass_after_a_kept_prefix_builds_its_blocks_once_and_heads_only_kept_rows(
+    monkeypatch,
+):
+    # What a pass pays beyond the matrix products must not grow with its layers or its
+    # positions: the blocks (gather, scatter, mask) are built once per pass, not per layer,
+    # and the language-model head sees each row's last `keep` positions only, not every
+    # position of the sequence (its vocabulary-wide product is the pass's largest).
+    model = _gqa_llama()
+    prefix = [5, 17, 3, 44, 9, 21]
+    rows = [[7], [8, 1, 2, 60], [33, 34], [2, 2, 2, 2, 2, 2, 2], [90, 12, 4]]
+    states = prefix_states(model, prefix, "cpu")
+    built = []
+
+    def counted(*args, **kwargs):
+        built.append(1)
+        return blocks_of(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_module, "blocks_of", counted)
+    heads = []
+    hook = model.lm_head.register_forward_pre_hook(
+        lambda module, args: heads.append(tuple(args[0].shape))
+    )
+    try:
+        for keep in (1, 3):
+            forward(model, rows, 0, "cpu", states, len(prefix), keep=keep)
+    finally:
+        hook.remove()
+    assert model.config.num_hidden_layers > 1 and built == [1, 1]
+    hidden = model.config.hidden_size
+    assert heads == [(1, len(rows), hidden), (1, sum(min(3, len(r)) for r in rows), hidden)]
+
+
 def test_a_model_whose_attention_cannot_be_replaced_keeps_the_masked_packing(monkeypatch):
     model = _gqa_llama()
     model.config.attn_logit_softcapping = 50.0  # a cap the rows' attention does not apply
