@@ -351,11 +351,11 @@ async def fetch(
             # Until a chunk is in (or written), or the plan asked for is answered.
             wake.clear()
             woken = asyncio.ensure_future(wake.wait())
+            waited: list[asyncio.Future[Any]] = [*running.values(), woken]
+            if asking is not None:
+                waited.append(asking)
             try:
-                done, _ = await asyncio.wait(
-                    [*running.values(), woken, *([asking] if asking else [])],
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 woken.cancel()
             for index in [i for i, task in running.items() if task in done]:
