@@ -64,10 +64,12 @@ MAX_BAD_CHUNKS = 2
 # Chunk requests in a row that brought nothing before a copy gives up (every such request
 # drops or strikes a peer, so only a pathological directory reaches it).
 _MAX_FRUITLESS = 20
-# Pauses between asking the directory again while others read what is missing.
+# Pauses before asking again when a plan came back empty and no chunk is in flight (others
+# read what is missing, or the planner does not wait).
 _FIRST_IDLE_WAIT = 0.05
 _MAX_IDLE_WAIT = 1.0
-# How long a copy with no chunk in flight lets the planner wait for one to plan.
+# How long the copy's one outstanding plan may wait in the planner for something to plan
+# (chunks in flight arrive meanwhile).
 _PLAN_WAIT = 2.0
 # Chunks arrived and still being verified and written, beyond the window: the next chunks
 # are received while earlier ones are hashed and written (on another core), not after.
