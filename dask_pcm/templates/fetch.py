@@ -64,12 +64,10 @@ MAX_BAD_CHUNKS = 2
 # Chunk requests in a row that brought nothing before a copy gives up (every such request
 # drops or strikes a peer, so only a pathological directory reaches it).
 _MAX_FRUITLESS = 20
-# Pauses before asking again when a plan came back empty and no chunk is in flight (others
-# read what is missing, or the planner does not wait).
+# Pauses between asking the directory again while others read what is missing.
 _FIRST_IDLE_WAIT = 0.05
 _MAX_IDLE_WAIT = 1.0
-# How long the copy's one outstanding plan may wait in the planner for something to plan
-# (chunks in flight arrive meanwhile).
+# How long a copy with no chunk in flight lets the planner wait for one to plan.
 _PLAN_WAIT = 2.0
 # Chunks arrived and still being verified and written, beyond the window: the next chunks
 # are received while earlier ones are hashed and written (on another core), not after.
@@ -311,26 +309,20 @@ async def fetch(
         return True
 
     running: dict[int, asyncio.Task[bool]] = {}
-    # The one plan asked for and not answered yet: it waits in the directory until it has
-    # something (or _PLAN_WAIT), while the chunks in flight go on arriving.
-    asking: asyncio.Future[dict[str, Any]] | None = None
-    asked = 0  # the free slots it was asked for
     try:
         idle, fruitless = _FIRST_IDLE_WAIT, 0
         while writer.missing:
             chunks.check_deadline()
             reports.check()
-            if asking is None:
-                # Room in the window (chunks being received) and in memory (chunks held).
-                free = max(
-                    0, min(window.size - len(receiving), window.size + WRITE_AHEAD - len(running))
-                )
-                wanted = sorted(writer.missing - running.keys())
-                if free and wanted:
-                    asking = asyncio.ensure_future(planner.plan(wanted, free, _PLAN_WAIT))
-                    asked = free
-            if asking is not None and asking.done():
-                plan, asking = asking.result(), None
+            # Room in the window (chunks being received) and in memory (chunks held).
+            free = max(
+                0, min(window.size - len(receiving), window.size + WRITE_AHEAD - len(running))
+            )
+            wanted = sorted(writer.missing - running.keys())
+            started = 0
+            if free and wanted:
+                # With nothing in flight, the planner may hold the answer until it has one.
+                plan = await planner.plan(wanted, free, 0.0 if running else _PLAN_WAIT)
                 report.rounds += 1
                 work = [(int(i), list(peers)) for i, peers in plan["peers"].items()]
                 work += [(int(i), []) for i in plan["source"]]
@@ -339,27 +331,28 @@ async def fetch(
                 for index, peers in work:
                     receiving.add(index)  # counted in the window from now
                     running[index] = asyncio.ensure_future(get(index, peers))
+                started = len(work)
                 if plan.get("together"):
                     window.shared(loop.time())
-                elif len(work) < asked:
+                elif started < free:
                     window.starved(loop.time())
-                if work:
-                    idle = _FIRST_IDLE_WAIT
-                    continue  # slots may be left: ask again at once
-            if not running and asking is None:  # every chunk left is read by someone else
+            if not running:  # every chunk left is being read by someone else
                 await asyncio.sleep(idle)
                 idle = min(2 * idle, _MAX_IDLE_WAIT)
                 continue
-            # Until a chunk is in (or written), or the plan asked for is answered.
+            # Until a chunk is in (or written); while slots are free, ask again after a pause.
             wake.clear()
             woken = asyncio.ensure_future(wake.wait())
-            waited: list[asyncio.Future[Any]] = [*running.values(), woken]
-            if asking is not None:
-                waited.append(asking)
             try:
-                done, _ = await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    [*running.values(), woken],
+                    timeout=idle if started < free else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
             finally:
                 woken.cancel()
+            done.discard(woken)
+            idle = _FIRST_IDLE_WAIT if done or wake.is_set() else min(2 * idle, _MAX_IDLE_WAIT)
             for index in [i for i, task in running.items() if task in done]:
                 if running.pop(index).result():
                     fruitless = 0
@@ -373,9 +366,6 @@ async def fetch(
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
     except BaseException:
-        if asking is not None:
-            asking.cancel()
-            await asyncio.gather(asking, return_exceptions=True)
         # Nothing keeps writing into a copy that is being given up.
         for task in running.values():
             task.cancel()

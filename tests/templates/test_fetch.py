@@ -233,69 +233,6 @@ def test_source_reads_go_through_the_shared_bandwidth(template, tmp_path):
     shutil.rmtree(path)
 
 
-def test_a_copy_with_a_chunk_in_flight_hears_of_the_next_without_polling(template, tmp_path):
-    """While one chunk is in flight and nothing else can be planned, the copy's next plan
-    waits in the directory until something can (a peer got a chunk): no plan answered
-    empty in between, and the other chunks come while the first is still in flight."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from dask_pcm.templates.reader import SourceReader
-
-    manifest, root = template
-    assert manifest.nchunks >= 3
-
-    async def run() -> tuple[list[float], int, bool]:
-        available = asyncio.Event()  # the other chunks can be planned from now
-        others_read = asyncio.Event()
-        read: set[int] = set()
-        waits: list[float] = []
-        empty = 0
-
-        class Reader(SourceReader):
-            async def aread(self, root_, manifest_, index):  # type: ignore[override]
-                if index == 0:  # in flight until every other chunk is in
-                    await asyncio.wait_for(others_read.wait(), 30)
-                data = await super().aread(root_, manifest_, index)
-                read.add(index)
-                if read >= set(range(1, manifest.nchunks)):
-                    others_read.set()
-                return data
-
-        class Planner:
-            async def plan(self, missing, limit, wait=0.0):
-                nonlocal empty
-                if not waits:
-                    waits.append(wait)
-                    return {"peers": {}, "source": [0]}
-                waits.append(wait)
-                if not available.is_set():
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(available.wait(), wait)
-                if not available.is_set():
-                    empty += 1
-                    return {"peers": {}, "source": []}
-                return {"peers": {}, "source": [i for i in missing if i != 0][:limit]}
-
-            async def have(self, worker, indexes, **changes):
-                pass
-
-        worker = SimpleNamespace(address="tcp://nowhere:1", extensions={}, handlers={})
-        copy = asyncio.ensure_future(
-            fetch(worker, manifest, tmp_path / "copy", root, Planner(), Reader(), in_flight=2)
-        )
-        await asyncio.sleep(1.0)  # chunk 0 in flight; nothing else to plan
-        available.set()
-        path, _ = await asyncio.wait_for(copy, 60)
-        _same_files(manifest, root, path)
-        return waits, empty, others_read.is_set()
-
-    waits, empty, others_first = asyncio.run(run())
-    assert empty == 0, f"{empty} plan(s) answered empty: the copy polled ({waits})"
-    assert all(w > 0 for w in waits[1:]), waits
-    assert others_first  # chunk 0 came last: the others did not wait for it
-
-
 def _logits(prompt: str) -> tuple[str, list[float]]:
     from distributed import get_worker
 
