@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -222,7 +223,7 @@ def run_once(
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per variant, median and interval (and min and max) of each figure logged in every
-    run."""
+    run; a figure that was 0 in some run gets its median, min and max only."""
     out = []
     for variant in VARIANTS:
         mine = [r for r in rows if r["variant"] == variant]
@@ -230,8 +231,12 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [r[name] for r in mine]
             if not values or any(v != v for v in values):  # NaN: not logged
                 continue
-            out.append({"variant": variant, "figure": name, "min": min(values),
-                        "max": max(values), **_protocol.interval(values)})  # fmt: skip
+            row = {"variant": variant, "figure": name, "min": min(values), "max": max(values)}
+            if min(values) > 0:
+                row.update(_protocol.interval(values))
+            else:  # a step that took no time in some run (no copy to make): no log interval
+                row.update(runs=len(values), median=statistics.median(values))
+            out.append(row)
     return out
 
 
