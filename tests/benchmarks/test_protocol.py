@@ -100,3 +100,19 @@ def test_peers_flags_only_a_variant_that_beats_the_ideal_on_the_same_work():
     # dask_pcm running the same passes faster than bare processes is an error of measurement;
     # prefix reuse runs fewer tokens, so beating the ideal is its point.
     assert flags == {"dask_pcm": True, "dask_pcm-prefix": False}
+
+
+def test_first_answer_summary_keeps_a_figure_that_was_zero_in_some_run():
+    # The quick smoke run on a warm cache copies nothing: the copy figure is 0 s there.
+    import first_answer
+
+    nan = float("nan")
+    rows = []
+    for copy in (0.0, 0.4):
+        row = dict.fromkeys(first_answer.FIGURES, nan)
+        row.update(variant="batch", copy_seconds=copy, seconds=5.0 + copy)
+        rows.append(row)
+    out = {r["figure"]: r for r in first_answer.summary(rows) if r["variant"] == "batch"}
+    assert out["copy_seconds"]["min"] == 0.0 and out["copy_seconds"]["median"] == 0.2
+    assert "low" not in out["copy_seconds"]  # no log interval through a zero
+    assert out["seconds"]["low"] < 5.2 < out["seconds"]["high"]
