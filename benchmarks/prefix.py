@@ -8,13 +8,14 @@ measures what that buys on the FEVER workload, template by template, and checks 
 changes no prediction.
 
 Per built-in template (``dask_pcm.apps.fever.get_templates``; ``--templates`` to choose; ``--quick``:
-few-shot and direct), N FEVER dev claims (default 64, ``--quick`` 32) in tasks of 16
-(``--claims-per-task``), each task ``dask_pcm.apps.fever.units.score_unit(template, claims,
+few-shot and direct), N FEVER dev claims (default 64, ``--quick`` 32) in tasks of 32
+(``--claims-per-task``, ``run_fever``'s default), each task ``dask_pcm.apps.fever.units.score_unit(template, claims,
 "logits", prefix_cache=True|False)``, the task a FEVER run sends, submitted with
 ``dask_pcm.submit``. The model is the embedded SmolLM2-135M-Instruct by default, resident at
 level ``full`` on one fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default); on a
-CPU worker it runs at most 8 whole prompts per forward pass, so a task of 16 claims is 2
-passes without reuse, and one pass with it (its claims' own tokens packed).
+CPU worker it runs at most 8 whole prompts per forward pass, so a task of 32 claims is 4
+passes without reuse, and one pass with it (its claims' own tokens packed, up to
+8 sequences of 256 tokens).
 
 Per template: an untimed warm-up, then ``--repetitions`` (default 3, ``--quick`` 1), each one
 round with prefix reuse and one without, back to back, in a seeded random order (``--seed``,
@@ -561,7 +562,7 @@ def main() -> None:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--claims", type=int, help="claims per round (default 64, --quick 32)")
-    p.add_argument("--claims-per-task", type=int, default=16, help="claims per task (default 16)")
+    p.add_argument("--claims-per-task", type=int, default=32, help="claims per task (default 32)")
     p.add_argument(
         "--templates",
         help=f"comma-separated built-in templates (default all; --quick {QUICK_TEMPLATES})",

@@ -44,7 +44,7 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
     "--claims-per-task",
     type=click.IntRange(min=1),
     default=None,
-    help="Claims each task scores (default 16).",
+    help="Claims each task scores (default 32).",
 )
 @click.option(
     "--batch-size", type=click.IntRange(min=1), hidden=True, help="Old name of --claims-per-task."

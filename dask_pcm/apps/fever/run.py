@@ -36,7 +36,7 @@ def run_fever(
     templates: Any = None,
     cluster: Any = None,
     level: str | None = None,
-    claims_per_task: int = 16,
+    claims_per_task: int = 32,
     limit: int | None = None,
     method: str = "logits",
     output: str | os.PathLike[str] | None = None,
@@ -71,7 +71,9 @@ def run_fever(
         Default ``pcm.default-level``.
     claims_per_task : int
         Claims each task (unit) scores. The model's own forward passes take
-        ``LanguageModel.batch_size`` prompts at a time.
+        ``LanguageModel.batch_size`` prompts at a time; with the template's head kept
+        (``prefix_cache``) one pass takes a unit's claims packed, and 32 make a pass long
+        enough to use the matrix products well (``benchmarks/prefix.py``).
     limit : int, optional
         Score a stratified sample of this many claims (seeded by ``seed``).
     method : {"logits", "generate"}
