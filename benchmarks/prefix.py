@@ -9,8 +9,9 @@ changes no prediction.
 
 Per built-in template (``dask_pcm.apps.fever.get_templates``; ``--templates`` to choose; ``--quick``:
 few-shot and direct), N FEVER dev claims (default 128, ``--quick`` 32) in tasks of 32
-(``--claims-per-task``, ``run_fever``'s default), each task ``dask_pcm.apps.fever.units.score_unit(template, claims,
-"logits", prefix_cache=True|False)``, the task a FEVER run sends, submitted with
+(``--claims-per-task``; ``run_fever``'s default, ``dask_pcm.apps.fever.run.CLAIMS_PER_TASK``),
+each task ``dask_pcm.apps.fever.units.score_unit(template, claims, "logits",
+prefix_cache=True|False)``, the task a FEVER run sends, submitted with
 ``dask_pcm.submit``. The model is the embedded SmolLM2-135M-Instruct by default, resident at
 level ``full`` on one fresh ``dask_pcm.local_cluster`` (2 workers x 1 thread by default); on a
 CPU worker it runs at most 8 whole prompts per forward pass, so a task of 32 claims is 4
@@ -23,10 +24,10 @@ round with prefix reuse and one without, back to back, in a seeded random order 
 ratio is summarised by its median, range and 95 % interval over the repetitions. A round
 scores all N claims; its claims/s is N over the seconds from submitting its tasks to having
 every result, so a round's fixed cost (submitting, gathering) counts against the faster mode:
-N is large enough that a round with reuse lasts seconds, not one task per worker. The warm-up pays each worker's
-slower first passes on new shapes and fills the prefix cache: every task of the round is sent
-with prefix reuse once to every worker (pinned), then the round runs once without. The timed
-"with" rounds therefore measure the steady state where the prefix states are resident, which
+N is large enough that a round with reuse lasts seconds, not one task per worker. The
+warm-up pays each worker's slower first passes on new shapes and fills the prefix cache:
+every task of the round is sent with prefix reuse once to every worker (pinned), then the
+round runs once without. The timed "with" rounds therefore measure the steady state where the prefix states are resident, which
 is the point of keeping them: a worker computes a template's prefix once and serves every
 later task of that template from it. That one-time cost is measured apart (``prefix_ms``).
 
@@ -98,6 +99,7 @@ from distributed import Client, get_task_stream
 
 import dask_pcm
 from dask_pcm.apps.fever import Claim, PromptTemplate, get_templates
+from dask_pcm.apps.fever.run import CLAIMS_PER_TASK
 from dask_pcm.apps.fever.scoring import score_generate
 from dask_pcm.apps.fever.units import CONTEXT, score_unit, template_head
 from dask_pcm.engine.attention import applies
@@ -564,7 +566,12 @@ def main() -> None:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     p = h.parser(__doc__.split("\n\n")[0])
     p.add_argument("--claims", type=int, help="claims per round (default 128, --quick 32)")
-    p.add_argument("--claims-per-task", type=int, default=32, help="claims per task (default 32)")
+    p.add_argument(
+        "--claims-per-task",
+        type=int,
+        default=CLAIMS_PER_TASK,
+        help=f"claims per task (default {CLAIMS_PER_TASK}, run_fever's)",
+    )
     p.add_argument(
         "--templates",
         help=f"comma-separated built-in templates (default all; --quick {QUICK_TEMPLATES})",

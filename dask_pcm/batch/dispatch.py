@@ -5,8 +5,8 @@ Three things keep a run of 90,910 units cheap on the client, the scheduler and p
 - **Packed tasks.** One task runs several consecutive units of one group
   (:func:`~dask_pcm.batch.units.run_units`), as many as take about ``pcm.batch.task-seconds``
   by the scoring time the tasks report (one unit per task until the first returns, 64 at
-  most: :mod:`dask_pcm.batch.sizing`). With a small model, a unit of 32 claims takes milliseconds, about what Dask spends
-  on a task (messages, transitions, the result's trip back); packing keeps that cost a small
+  most: :mod:`dask_pcm.batch.sizing`). With a small model, a unit of 32 claims takes
+  milliseconds, about what Dask spends on a task (messages, transitions, the result's trip back); packing keeps that cost a small
   part of the work on fast GPUs and slow CPUs alike. Units stay the grain of the output and
   of a resume. Near the end, tasks shrink so that every worker thread gets a share.
 - **Waves.** At most ``pcm.batch.tasks-in-flight`` tasks (default 4 per worker thread, at

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from dask_pcm.apps.fever.data import ERRORS
-from dask_pcm.apps.fever.run import run_fever
+from dask_pcm.apps.fever.run import CLAIMS_PER_TASK, run_fever
 from dask_pcm.apps.fever.scoring import METHODS
 from dask_pcm.cli.shared import (
     ENGINE,
@@ -44,7 +44,7 @@ from dask_pcm.exceptions import ClusterLostError, PCMError
     "--claims-per-task",
     type=click.IntRange(min=1),
     default=None,
-    help="Claims each task scores (default 32).",
+    help=f"Claims each task scores (default {CLAIMS_PER_TASK}).",
 )
 @click.option(
     "--batch-size", type=click.IntRange(min=1), hidden=True, help="Old name of --claims-per-task."

@@ -30,13 +30,19 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
+#: Claims per task (unit) when the caller gives none: with the template's head kept, a
+#: unit's claims run packed in one pass, and this many make it long enough to use the
+#: matrix products well (``benchmarks/prefix.py``).
+CLAIMS_PER_TASK = 32
+
+
 def run_fever(
     data: str | os.PathLike[str] | None = None,
     model: str | os.PathLike[str] | None = None,
     templates: Any = None,
     cluster: Any = None,
     level: str | None = None,
-    claims_per_task: int = 32,
+    claims_per_task: int = CLAIMS_PER_TASK,
     limit: int | None = None,
     method: str = "logits",
     output: str | os.PathLike[str] | None = None,
@@ -72,8 +78,8 @@ def run_fever(
     claims_per_task : int
         Claims each task (unit) scores. The model's own forward passes take
         ``LanguageModel.batch_size`` prompts at a time; with the template's head kept
-        (``prefix_cache``) one pass takes a unit's claims packed, and 32 make a pass long
-        enough to use the matrix products well (``benchmarks/prefix.py``).
+        (``prefix_cache``) one pass takes a unit's claims packed. Default
+        ``CLAIMS_PER_TASK`` (this module's).
     limit : int, optional
         Score a stratified sample of this many claims (seeded by ``seed``).
     method : {"logits", "generate"}
