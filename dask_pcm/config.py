@@ -134,7 +134,8 @@ def fetch_timeout() -> float | None:
 
 
 def job_start_timeout() -> float | None:
-    """Seconds a batch cluster may fail to start any worker (``pcm.jobs.start-timeout``)."""
+    """Seconds a cluster may go without a worker while none can come
+    (``pcm.jobs.start-timeout``)."""
     value = get("jobs.start-timeout")
     return None if value is None else _seconds(value)
 

@@ -67,7 +67,14 @@ class DeviceMemoryError(PCMError, MemoryError):
     halved on an out-of-memory error first)."""
 
 
-class BatchJobError(PCMError, RuntimeError):
+class NoWorkerError(PCMError, RuntimeError):
+    """A cluster that dask_pcm started has no worker and none can come, for longer than
+    ``pcm.jobs.start-timeout``: a local cluster started with no worker and nothing to scale
+    it, or whose nannies closed because their workers could not start again. The message
+    names the scheduler's address and the closed nannies."""
+
+
+class BatchJobError(NoWorkerError):
     """A batch cluster cannot get a worker: its job submissions are rejected, or its jobs keep
     ending before their worker connects, for longer than ``pcm.jobs.start-timeout``. The
     message quotes the batch system's own output and names the submit command, the jobs' log

@@ -8,7 +8,8 @@ starts, the preemption plugin, and on a host with GPUs one GPU of its own.
 :func:`local_cluster` starts its workers with it, one per GPU where there are GPUs, and gives
 its scheduler and nannies the coarser tick too (``pcm.tick-interval``): in a local run the
 client's process hosts the scheduler and the nannies, whose wake-ups take time from the
-workers they share the cores with.
+workers they share the cores with. The cluster it returns (:class:`LocalCluster`) leaves a
+nanny to restart its worker however long that takes, and says when no worker can come.
 
 Workers started by hand get the same setup from ``dask-pcm worker SCHEDULER_ADDRESS``
 (:mod:`dask_pcm.cli.worker`), which takes every option of ``dask worker``.
@@ -16,15 +17,24 @@ Workers started by hand get the same setup from ``dask-pcm worker SCHEDULER_ADDR
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from typing import Any
 
 import dask.config
 import distributed
-from distributed import LocalCluster
+from dask.utils import parse_timedelta
+from distributed.core import Status
+from distributed.deploy.cluster import Cluster
 
+from dask_pcm import config
 from dask_pcm.deploy import forkserver, with_preload, worker_setup
+from dask_pcm.exceptions import NoWorkerError
 from dask_pcm.gpus import visible_gpus
+
+# A worker object (nanny) of the cluster in one of these states brings a worker back.
+_ALIVE = (Status.init, Status.starting, Status.running)
 
 
 class Nanny(distributed.Nanny):
@@ -40,7 +50,7 @@ class Nanny(distributed.Nanny):
 
     Examples
     --------
-    >>> cluster = LocalCluster(worker_class=dask_pcm.Nanny)   # doctest: +SKIP
+    >>> cluster = distributed.LocalCluster(worker_class=dask_pcm.Nanny)   # doctest: +SKIP
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -50,10 +60,96 @@ class Nanny(distributed.Nanny):
             super().__init__(*args, **kwargs)
 
 
+class LocalCluster(distributed.LocalCluster):
+    """A :class:`distributed.LocalCluster` that keeps a nanny while it restarts its worker,
+    and raises (:meth:`raise_if_stuck`) when no worker can come.
+
+    distributed closes the nanny of a worker gone for ``distributed.deploy.lost-worker-timeout``
+    (15 s), a rule for a nanny that may have gone with its worker. Here every nanny lives in
+    this process, and one still running is restarting its worker: a spawned process that
+    imports torch and transformers again, which on a busy host took longer than that. The
+    cluster closed both nannies of a two-worker run, and the run waited for ever with no
+    worker. A nanny is closed here only once it stopped by itself (it closes when its
+    worker cannot start again).
+    """
+
+    _no_worker_since: float | None = None
+
+    def _update_worker_status(self, op: str, msg: Any) -> None:
+        if op != "remove":
+            super()._update_worker_status(op, msg)
+            return
+        name = self.scheduler_info["workers"][msg]["name"]
+        # distributed.SpecCluster's own timer skipped: it closes a nanny that is restarting.
+        Cluster._update_worker_status(self, op, msg)
+        delay = parse_timedelta(dask.config.get("distributed.deploy.lost-worker-timeout"))
+        loop = asyncio.get_running_loop()
+
+        def drop_if_stopped() -> None:
+            worker = self.workers.get(name)
+            back = any(w["name"] == name for w in self.scheduler_info["workers"].values())
+            if worker is None or back:
+                return
+            if worker.status in _ALIVE:
+                loop.call_later(delay, drop_if_stopped)  # still restarting it: look again
+                return
+            self._futures.add(asyncio.ensure_future(worker.close()))
+            del self.workers[name]
+
+        loop.call_later(delay, drop_if_stopped)
+
+    def raise_if_stuck(self) -> None:
+        """Raise :class:`~dask_pcm.exceptions.NoWorkerError` if no worker can come.
+
+        That is: no worker is connected, no nanny of the cluster is running (none was
+        started, ``n_workers=0``, or each closed because its worker could not start again),
+        nothing scales it (``cluster.adapt``), and so for ``pcm.jobs.start-timeout``.
+        A nanny that restarts its worker is never stuck, however long that takes.
+
+        Cheap and safe from any thread: ``run_batch`` and ``run_fever`` call it every
+        second while they wait, as for a batch cluster.
+        """
+        adaptive = getattr(self, "_adaptive", None)
+        scaling = adaptive is not None and getattr(adaptive, "state", "running") in (
+            "starting",
+            "running",
+        )
+        nannies = list(self.workers.items())
+        if (
+            self.scheduler_info.get("workers")
+            or scaling
+            or any(w.status in _ALIVE for _, w in nannies)
+        ):
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+        timeout = config.job_start_timeout()
+        waited = now - self._no_worker_since
+        if timeout is None or waited < timeout:
+            return
+        stopped = ", ".join(f"{name!r} ({w.status.name})" for name, w in nannies)
+        why = (
+            f"the nannies of its workers {stopped} have stopped, as a nanny does when its "
+            "worker cannot start again (the log of this process says why)"
+            if nannies
+            else "it has no worker process (started with n_workers=0, or the nannies of its "
+            "workers stopped because their workers could not start again)"
+        )
+        raise NoWorkerError(
+            f"No worker is connected to the local cluster at {self.scheduler_address}, and "
+            f"none can come: {why}. Scale it (cluster.scale(n)) or make it adaptive "
+            f"(cluster.adapt(...)). (No worker for {waited:.0f} s; pcm.jobs.start-timeout "
+            f"is {timeout:g} s.)"
+        )
+
+
 def local_cluster(
     n_workers: int | None = None, threads_per_worker: int = 1, **kwargs: Any
 ) -> LocalCluster:
-    """A :class:`distributed.LocalCluster` of processes that use :class:`Nanny`.
+    """A :class:`LocalCluster` (a :class:`distributed.LocalCluster`) of processes that use
+    :class:`Nanny`.
 
     One thread per worker by default: a model forward pass already uses the cores torch
     gives it. On Linux the workers it starts are forked from one process that imported

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import dask.config
+import pytest
 from distributed import Client, LocalCluster
 
 import dask_pcm
@@ -189,3 +190,63 @@ def test_local_cluster_forks_its_workers_from_one_process_that_imported_torch(mo
     for w in [*everyone, *spawned, *forked_later]:
         assert (w["threads"], w["malloc_trim"], w["hash"]) == (1, None, spawned[0]["hash"])
     assert dask.config.get("distributed.worker.multiprocessing-method") == "spawn"
+
+
+def _gone(client: Client, address: str, timeout: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while address in client.scheduler_info()["workers"]:
+        assert time.monotonic() < deadline, f"{address} still listed after {timeout} s"
+        time.sleep(0.1)
+
+
+def test_a_nanny_restarting_its_worker_is_kept_past_lost_worker_timeout():
+    """distributed closed the nanny of a worker gone for lost-worker-timeout (15 s) even
+    while it restarted the worker: a restarted worker is spawned and imports torch again,
+    which on a busy CI host took longer, and a run waited for ever with no worker left.
+    Here the timeout is shorter than any restart."""
+    import signal
+
+    with (
+        dask.config.set({"distributed.deploy.lost-worker-timeout": "0.2s"}),
+        dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        client.wait_for_workers(1)
+        (address,) = client.scheduler_info()["workers"]
+        pid = client.run(os.getpid)[address]
+        os.kill(pid, signal.SIGKILL)
+        _gone(client, address)
+        client.wait_for_workers(1, timeout=90)
+        assert client.submit(len, "abc").result(timeout=30) == 3
+        assert pid not in client.run(os.getpid).values()
+        assert list(lc.workers) == [0]
+
+
+def _length(rows):
+    return [{"n": len(r["text"])} for r in rows]
+
+
+def test_a_run_on_a_local_cluster_that_cannot_get_a_worker_raises_instead_of_waiting():
+    """With no worker and no nanny to bring one (started with none; or a nanny that closed,
+    as one does when its worker cannot start again), a run used to wait for ever."""
+    rows = [{"id": i, "text": "x" * i} for i in range(4)]
+    with dask.config.set({"pcm.jobs.start-timeout": "2s"}):
+        with dask_pcm.local_cluster(n_workers=0, dashboard_address=":0") as lc, Client(lc):
+            with pytest.raises(dask_pcm.NoWorkerError, match="no worker process") as info:
+                dask_pcm.run_batch(_length, rows, cluster=lc, progress=False)
+            assert lc.scheduler_address in str(info.value)
+            lc.scale(1)  # as the message says: a worker comes, and the same run goes through
+            result = dask_pcm.run_batch(_length, rows, cluster=lc, progress=False)
+            assert list(result.to_pandas().sort_values("id")["n"]) == [0, 1, 2, 3]
+        with (
+            dask.config.set({"distributed.deploy.lost-worker-timeout": "60s"}),
+            dask_pcm.local_cluster(n_workers=1, dashboard_address=":0") as lc,
+            Client(lc) as client,
+        ):
+            client.wait_for_workers(1)
+            client.sync(lc.workers[0].close)  # as a nanny whose worker cannot start again
+            stopped = r"nannies of its workers 0 \(closed\) have stopped"
+            with pytest.raises(dask_pcm.NoWorkerError, match=stopped):
+                dask_pcm.run_batch(_length, rows, cluster=lc, progress=False)
