@@ -714,6 +714,7 @@ def _prefix(folder: Path) -> Block:
 _STARTUP = [
     ("cluster_at", "dashboard link printed (cluster started)"),
     ("manifest_seconds", "manifest of the template (client; cached)"),
+    ("host_copy_seconds", "template copy by the client while the cluster starts"),
     ("imports_seconds", "`import torch` and `import transformers` (slower worker)"),
     ("copy_seconds", "template copy, until verified (slower worker)"),
     ("from_pretrained_seconds", "`from_pretrained` (slower worker)"),

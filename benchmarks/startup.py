@@ -13,10 +13,13 @@ What each figure is (seconds; ``*_at`` from the command's start, the others dura
 - ``cluster_at``: the dashboard link is printed (cluster started, workers may still start);
 - ``manifest_seconds``: the client lists and hashes the template (``Manifest of ...``;
   from its cache when warm);
+- ``host_copy_seconds``: the client's copy of the template into the host's template
+  folder, made while the cluster starts (``Host copy ... in``);
 - ``imports_seconds``: a worker's ``import torch`` and ``import transformers`` (the slower
   worker; from the preimport thread's lines, or from the loader's own ``imports`` figure);
 - ``copy_seconds``: a worker's template copy, from asking for it to holding a verified one
-  (the slower worker: the one that made the copy, or waited for it);
+  (the slower worker: the one that made the copy, or waited for it; about 0 when the
+  client's copy was ready);
 - ``from_pretrained_seconds``, ``warm_up_seconds``: a worker's model build and warm-up
   pass (the slower worker);
 - ``first_ready_at``, ``last_ready_at``: the first and the last worker with the model ready;
@@ -56,6 +59,7 @@ COLUMNS = [
     ("round", "round", "d"),
     ("cluster_at", "cluster", ".1f"),
     ("manifest_seconds", "manifest", ".2f"),
+    ("host_copy_seconds", "host copy", ".1f"),
     ("imports_seconds", "imports", ".1f"),
     ("copy_seconds", "copy", ".1f"),
     ("from_pretrained_seconds", "build", ".1f"),
@@ -78,6 +82,7 @@ PATTERNS = {
         r"Loaded .*: imports " + _NUMBER + r", from_pretrained " + _NUMBER + ", warm-up " + _NUMBER
     ),
     "copy": re.compile(r"Template of .* local copy .* ready in " + _NUMBER),
+    "host_copy": re.compile(r"Host copy .* by this process in " + _NUMBER),
     "ready": re.compile(r"Context '[^']+' ready on"),
     "units": re.compile(r"units:[^\r\n]*?(\d+)/(\d+)"),
 }
@@ -93,6 +98,8 @@ def timeline(lines: list[tuple[float, str]]) -> dict[str, float]:
             out["cluster_at"] = at
         if m := PATTERNS["manifest"].search(line):
             out["manifest_seconds"] = float(m[1])
+        if m := PATTERNS["host_copy"].search(line):
+            out["host_copy_seconds"] = float(m[1])
         if m := PATTERNS["import"].search(line):
             found["imports"].setdefault(m[1], []).append(float(m[2]))
         if m := PATTERNS["loader"].search(line):

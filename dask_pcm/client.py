@@ -18,12 +18,15 @@ from dask_pcm.exceptions import ContextLoadError, PCMError
 from dask_pcm.protocol import COLUMNS, SETTLE_OP
 from dask_pcm.scheduler import registration
 from dask_pcm.tasks import ContextTask
+from dask_pcm.templates.local import host_stamp
 from dask_pcm.templates.sources import EMBEDDED
 from dask_pcm.worker import ContextPlugin
 
 if TYPE_CHECKING:
     import pandas as pd
     from distributed import Client, Future
+
+    from dask_pcm.templates.manifest import Manifest
 
 logger = logging.getLogger(__name__)
 
@@ -127,10 +130,12 @@ def install_scheduler_plugin(client: Client) -> None:
 
 def _declaration(ctx: Context, level: str | None) -> dict[str, Any]:
     """What :func:`dask_pcm.scheduler.registration.declare` needs of one context."""
-    chosen = config.check_level(ctx.level or level or config.default_level())
-    manifest = _manifest_json(ctx, chosen)
+    chosen = context_level(ctx, level)
+    copied = copy_manifest(ctx, chosen)
+    manifest = None if copied is None else copied.to_json()
     registration_id = uuid.uuid4().hex
-    plugin = ContextPlugin(ctx, chosen, manifest, registration_id)
+    stamp = None if copied is None else host_stamp(copied.digest)
+    plugin = ContextPlugin(ctx, chosen, manifest, registration_id, host_stamp=stamp)
     return {
         "name": ctx.name,
         "level": chosen,
@@ -155,7 +160,12 @@ def _load_error(answer: dict[str, Any]) -> ContextLoadError:
     return ContextLoadError("\n".join(lines), merged)
 
 
-def _manifest_json(ctx: Context, level: str) -> str | None:
+def context_level(ctx: Context, level: str | None) -> str:
+    """The level ``ctx`` is registered at: its own, else ``level``, else the default."""
+    return config.check_level(ctx.level or level or config.default_level())
+
+
+def copy_manifest(ctx: Context, level: str) -> Manifest | None:
     """The template's chunk manifest for peer-to-peer transfer, where it applies.
 
     Only for levels full and partial and a template that is a local path (any directory
@@ -176,7 +186,7 @@ def _manifest_json(ctx: Context, level: str) -> str | None:
     except PCMError as exc:
         logger.info("No peer-to-peer template for %r: %s", ctx.name, exc)
         return None
-    return None if manifest is None else manifest.to_json()
+    return manifest
 
 
 def _seconds(value: float | str) -> float:

@@ -4,26 +4,102 @@
 cluster, batch-system jobs, a scheduler address, or the caller's own client or cluster (left
 open at the end, so that its resident contexts serve the next run; a client the run made
 for an address or a cluster object is closed, so that none is left to reconnect to a
-scheduler that the caller closes later).
+scheduler that the caller closes later). For a local cluster the run starts,
+:class:`HostCopies` makes the host's copy of each template while the cluster comes up.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from distributed import Client
 
 from dask_pcm import client as pcm
-from dask_pcm.deploy import KINDS
+from dask_pcm.context import Context
+from dask_pcm.deploy import KINDS, worker_setup
 from dask_pcm.deploy.local import local_cluster
 from dask_pcm.gpus import visible_gpus
+from dask_pcm.templates.local import HostCopy
+from dask_pcm.templates.tree import list_template
+
+logger = logging.getLogger(__name__)
 
 #: Most worker jobs of a batch cluster that a run starts itself (``workers`` unset).
 BATCH_WORKERS = 4
 _ADDRESS_SCHEMES = ("tcp://", "tls://", "ucx://", "inproc://", "ws://", "wss://")
+
+
+class HostCopies:
+    """The host copies of a run's templates, made by the client while the local cluster it
+    starts comes up (:class:`~dask_pcm.templates.local.HostCopy`): the cluster's start is
+    the fork server's imports, which leave the disk idle, and the first worker to ask
+    would otherwise make the copy only then, before it can load its model.
+
+    A thread lists and hashes the templates (:meth:`wait_listed`: before the contexts are
+    registered, so that their plugins carry the copies' stamps), then copies them.
+    :meth:`release` stops a copy still running (a run that failed early) and lets go of
+    the copies: call it after the cluster closed. For a cluster the run does not start,
+    nothing is made.
+    """
+
+    def __init__(self, contexts: Iterable[tuple[Context, str | None]] = ()) -> None:
+        self.copies: list[HostCopy] = []
+        self._listed = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(list(contexts),), name="dask-pcm-host-copies", daemon=True
+        )
+        self._thread.start()
+
+    @classmethod
+    def for_run(
+        cls, cluster: Any, contexts: Iterable[Context | None], level: str | None
+    ) -> HostCopies:
+        """Copies for a run on ``cluster`` (``run_batch``'s argument): for a local cluster
+        that the run starts, of ``contexts`` (None: registered already) at ``level``."""
+        if not (cluster is None or cluster == "local"):
+            return cls()
+        return cls((c, level) for c in contexts if c is not None)
+
+    def _run(self, contexts: list[tuple[Context, str | None]]) -> None:
+        try:
+            scratch = worker_setup.scratch_directory()
+            directory = worker_setup.host_template_directory()
+            seen: set[str] = set()
+            for ctx, level in contexts:
+                try:
+                    chosen = pcm.context_level(ctx, level)
+                    manifest = pcm.copy_manifest(ctx, chosen)  # None at level agnostic
+                    if manifest is None or ctx.template is None or manifest.digest in seen:
+                        continue
+                    root = list_template(ctx.template, ctx.loader).root
+                except Exception as exc:  # the workers meet it too, and report it
+                    logger.info("No host copy of %r made ahead: %s", ctx.name, exc)
+                    continue
+                seen.add(manifest.digest)
+                self.copies.append(HostCopy(manifest, root, directory, scratch))
+        finally:
+            self._listed.set()
+        for copy in self.copies:
+            copy.make()
+
+    def wait_listed(self) -> None:
+        """Block until the templates are listed and hashed (their copies may go on)."""
+        self._listed.wait()
+
+    def release(self) -> None:
+        """Stop the copies still being made, and let go of them all (see the class
+        docstring)."""
+        self._listed.wait()
+        for copy in self.copies:
+            copy.cancel()
+        self._thread.join()
+        for copy in self.copies:
+            copy.release()
 
 
 def open_client(

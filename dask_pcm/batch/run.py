@@ -329,10 +329,19 @@ def _compute(
     # A loader that runs one engine per worker on all its threads (vLLM) wants the cores of
     # a local cluster shared among few workers, not one worker per core.
     whole = any(getattr(c.loader, "one_engine_per_worker", False) for c in declared.values() if c)
-    client, close = clusters.open_client(cluster, workers, progress, whole_cores=whole)
-    bar = clusters.progress_bar(len(todo), progress)
     names = list(declared)
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse: bar, flush, cluster, copies
+        # A local cluster that the run starts: the host's template copies meanwhile.
+        copies = clusters.HostCopies.for_run(cluster, declared.values(), level)
+        stack.callback(copies.release)
+        client, close = clusters.open_client(cluster, workers, progress, whole_cores=whole)
+        stack.callback(close)
+        # What finished reaches the disk before the cluster closes (seconds, or a hang on
+        # a sick cluster), not after: a walltime's SIGKILL may follow a SIGTERM soon.
+        stack.callback(sink.flush)
+        bar = clusters.progress_bar(len(todo), progress)
+        stack.callback(bar.close)
+        copies.wait_listed()
         _register(client, declared, level)
         if prepare is not None:
             prepare(client, todo)
@@ -342,14 +351,6 @@ def _compute(
         )  # fmt: skip
         dispatch.run()
         report = clusters.workers_report(client, names, dispatch.served)
-    finally:
-        bar.close()
-        try:
-            # What finished reaches the disk before the cluster closes (seconds, or a hang
-            # on a sick cluster), not after: a walltime's SIGKILL may follow a SIGTERM soon.
-            sink.flush()
-        finally:
-            close()
     return {
         "tasks": dispatch.tasks,
         "lost_rows": dispatch.lost_rows,

@@ -54,6 +54,10 @@ from dask_pcm.gpus import VISIBLE
 
 logger = logging.getLogger(__name__)
 
+#: The host's template folder under the scratch space (:data:`SCRATCH`, distributed's).
+TEMPLATES = "pcm-templates"
+SCRATCH = "dask-scratch-space"
+
 #: This module as a nanny preload (``dask worker --preload-nanny``).
 PRELOAD = "dask_pcm.deploy.worker_setup"
 #: The worker preload that starts the heavy imports (named: the nanny does not import it).
@@ -103,12 +107,38 @@ def setup(nanny: distributed.Nanny) -> None:
         worker_config["distributed.worker.profile.interval"] = interval
     worker_config.update(tick_config())
     if not dask.config.get("pcm.worker.template-directory", None, config=nanny.config):
-        shared = os.path.join(nanny.local_directory, "pcm-templates")
+        shared = os.path.join(nanny.local_directory, TEMPLATES)
         worker_config["pcm.worker.template-directory"] = shared
     # merge copies nested dicts: the nanny's process-wide config stays as it was.
     nanny.config = dask.config.merge(nanny.config, *map(_nested, worker_config.items()))
     _add_worker_preloads(nanny)
     gpu.bind(nanny)
+
+
+def host_template_directory(local_directory: str | None = None) -> str:
+    """The host's template folder of the workers of nannies started here with
+    ``local_directory`` (``pcm.worker.template-directory``, else the scratch space's
+    ``pcm-templates`` as :func:`dask_setup` gives it), for a client that makes their copy.
+
+    The scratch space is the folder distributed gives such a nanny: ``local_directory`` or
+    ``temporary-directory`` or the system's, with ``dask-scratch-space`` appended unless
+    named already.
+    """
+    chosen = config.get("worker.template-directory")
+    if chosen:
+        return str(chosen)
+    return os.path.join(scratch_directory(local_directory), TEMPLATES)
+
+
+def scratch_directory(local_directory: str | None = None) -> str:
+    """The scratch space of a nanny started here with ``local_directory`` (see
+    :func:`host_template_directory`)."""
+    import tempfile
+
+    base = local_directory or dask.config.get("temporary-directory") or tempfile.gettempdir()
+    if SCRATCH not in str(base):
+        base = os.path.join(base, SCRATCH)
+    return os.path.abspath(base)
 
 
 def teardown(nanny: distributed.Nanny) -> None:

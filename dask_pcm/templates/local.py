@@ -14,6 +14,11 @@ while it waits trusts the copy). A copy found complete on arrival is read again:
 that damaged it changed no stamp. A damaged copy is removed and made again, and staging
 folders left by dead processes are removed.
 
+A stamp can also be handed on: a process that made a copy writes the stamp it was given
+(``token``), and a worker told that stamp (``known``) trusts a copy that still carries it.
+That is how a run's client makes the host's copy while its local cluster starts
+(:class:`HostCopy`) without its workers reading it all again.
+
 A process using a copy holds a shared ``flock`` on its *users* file (:class:`CopyUse`); the
 last one to let go removes the copy, as distributed removes a worker's own folder when it
 closes. A process that dies lets go with it (the kernel drops its locks); its copy goes with
@@ -27,12 +32,15 @@ import fcntl
 import logging
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dask_pcm.locks import file_lock
-from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, verify_copy
+from dask_pcm.templates.manifest import MANIFEST_NAME, Manifest, TemplateWriter, verify_copy
+from dask_pcm.templates.reader import source_reader
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +50,8 @@ def local_copy(
     manifest: Manifest,
     make: Callable[[Path], None],
     trusted: bool = False,
+    known: str | None = None,
+    token: str | None = None,
 ) -> Path:
     """The folder holding ``manifest``'s template under ``directory``, made by ``make(dest)``
     if there is no usable copy yet.
@@ -56,8 +66,13 @@ def local_copy(
         Assembles the template at the path it is given (e.g. a fetch from peers).
     trusted
         The copy was made or verified by this process: do not verify it again.
+    known
+        A stamp written by a process that made or verified the copy (:class:`HostCopy`'s):
+        a copy carrying it is not verified again.
+    token
+        The stamp to write if this call makes or verifies the copy (default: a new one).
     """
-    with _usable(Path(directory), manifest, make, trusted) as dest:
+    with _usable(Path(directory), manifest, make, trusted, known, token) as dest:
         return dest
 
 
@@ -66,16 +81,41 @@ def use_copy(
     manifest: Manifest,
     make: Callable[[Path], None],
     trusted: bool = False,
+    known: str | None = None,
+    token: str | None = None,
 ) -> CopyUse:
     """As :func:`local_copy`, and this process's use of the copy taken before the copy's
     lock is let go (so that no last user's release removes it in between)."""
-    with _usable(Path(directory), manifest, make, trusted) as dest:
+    with _usable(Path(directory), manifest, make, trusted, known, token) as dest:
         return CopyUse(dest)
+
+
+def host_copy(
+    directory: str | Path,
+    scratch: str | Path,
+    manifest: Manifest,
+    make: Callable[[Path], None],
+    trusted: bool = False,
+    known: str | None = None,
+    token: str | None = None,
+) -> tuple[Path, CopyUse | None]:
+    """The host's copy in ``directory``, and this process's use of it where the copy lives
+    in the workers' scratch space ``scratch`` (removed by its last user); a folder of the
+    user's choosing keeps its copy for the next run (no use taken)."""
+    if Path(directory).resolve().is_relative_to(Path(scratch).resolve()):
+        use = use_copy(directory, manifest, make, trusted, known, token)
+        return use.dest, use
+    return local_copy(directory, manifest, make, trusted, known, token), None
 
 
 @contextlib.contextmanager
 def _usable(
-    directory: Path, manifest: Manifest, make: Callable[[Path], None], trusted: bool
+    directory: Path,
+    manifest: Manifest,
+    make: Callable[[Path], None],
+    trusted: bool,
+    known: str | None = None,
+    token: str | None = None,
 ) -> Iterator[Path]:
     """A usable copy, under the template's host-wide lock for the ``with`` block."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -85,9 +125,11 @@ def _usable(
     with file_lock(directory / f".{dest.name}.lock"):
         complete = (dest / MANIFEST_NAME).is_file()
         now = _read(stamp)
-        # Made or checked by another process while this one waited for the lock: trusted.
+        # Made or checked by another process while this one waited for the lock, or by
+        # the process that told this one its stamp: trusted.
         here = False  # made or checked by this call
-        if complete and not trusted and (now is None or now == before):
+        vouched = now is not None and now == known
+        if complete and not trusted and not vouched and (now is None or now == before):
             bad = verify_copy(dest, manifest)
             here = True
             if bad:
@@ -107,7 +149,7 @@ def _usable(
                 shutil.rmtree(stale, ignore_errors=True)
             make(dest)  # every chunk verified as it was written
         if here or not complete:
-            _write(stamp, uuid.uuid4().hex)
+            _write(stamp, token or uuid.uuid4().hex)
         yield dest
 
 
@@ -146,6 +188,108 @@ class CopyUse:
                 os.close(fd)
         logger.info("Removed template copy %s: its last user let go", self.dest)
         return True
+
+
+class HostCopy:
+    """The host's copy of one template, made by this process from the source: what a run's
+    client does while the local cluster it started comes up, so that the copy is ready when
+    its first worker asks, instead of being made then.
+
+    :meth:`make` (in a thread) makes or finds the copy, as a worker does, and writes
+    :attr:`token` as its stamp; :func:`host_stamp` hands the token to the workers' context
+    plugins, which then trust a copy still carrying it (no second read of every byte).
+    This process holds a use of the copy (:class:`CopyUse`, in the scratch space) until
+    :meth:`release`, which comes after its cluster closed. A copy that fails is logged and
+    forgotten: the workers then make theirs as they would have. :meth:`cancel` stops a
+    copy still running at its next chunk (a run that ends early does not wait for it).
+    """
+
+    def __init__(
+        self, manifest: Manifest, root: str | Path, directory: str | Path, scratch: str | Path
+    ) -> None:
+        self.manifest = manifest
+        self.root = Path(root)
+        self.directory = Path(directory)
+        self.scratch = Path(scratch)
+        self.token = uuid.uuid4().hex
+        self.use: CopyUse | None = None
+        self._cancelled = threading.Event()
+        with _HOST_COPIES_LOCK:
+            _HOST_COPIES.setdefault(manifest.digest, self)
+
+    def make(self) -> None:
+        """Make or find the host's copy; never raises (see the class docstring)."""
+        began = time.perf_counter()
+        try:
+            dest, self.use = host_copy(
+                self.directory, self.scratch, self.manifest, self._from_source, token=self.token
+            )
+        except _Cancelled:
+            self._forget()
+            logger.info("Host copy of %s cancelled: the run ended first", self.root)
+            return
+        except Exception as exc:
+            self._forget()
+            logger.warning(
+                "Could not make the host copy of template %s from %s (%s: %s); the workers "
+                "make it themselves",
+                self.manifest.digest[:16],
+                self.root,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        logger.info(
+            "Host copy %s of %s made or found by this process in %.2f s",
+            dest,
+            self.root,
+            time.perf_counter() - began,
+        )
+
+    def _from_source(self, dest: Path) -> None:
+        writer = TemplateWriter(self.manifest, dest)
+        try:
+            reader = source_reader()
+            for index in range(self.manifest.nchunks):
+                if self._cancelled.is_set():
+                    raise _Cancelled
+                writer.write(index, reader.read(self.root, self.manifest, index))
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def cancel(self) -> None:
+        """Stop a copy still being made, at its next chunk (its staging folder removed)."""
+        self._cancelled.set()
+
+    def release(self) -> None:
+        """Let go of the copy (removed if no worker of the host still uses it)."""
+        self._forget()
+        if self.use is not None:
+            self.use.release()
+            self.use = None
+
+    def _forget(self) -> None:
+        with _HOST_COPIES_LOCK:
+            if _HOST_COPIES.get(self.manifest.digest) is self:
+                del _HOST_COPIES[self.manifest.digest]
+
+
+class _Cancelled(Exception):
+    pass
+
+
+_HOST_COPIES: dict[str, HostCopy] = {}  # by template digest: copies this process makes
+_HOST_COPIES_LOCK = threading.Lock()
+
+
+def host_stamp(digest: str) -> str | None:
+    """The stamp of the host copy of template ``digest`` that this process makes or made
+    and still holds (:class:`HostCopy`), else None."""
+    with _HOST_COPIES_LOCK:
+        made = _HOST_COPIES.get(digest)
+    return None if made is None else made.token
 
 
 def _read(stamp: Path) -> str | None:

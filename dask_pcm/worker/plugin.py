@@ -119,6 +119,7 @@ class ContextPlugin(WorkerPlugin):
         level: str,
         manifest: str | None = None,
         registration: str | None = None,
+        host_stamp: str | None = None,
     ) -> None:
         # Pickled and shipped to every worker: keep only the small declaration here.
         self.context = context
@@ -126,6 +127,9 @@ class ContextPlugin(WorkerPlugin):
         self.name = plugin_name(context.name)
         # The template's chunk manifest (JSON) when it can travel peer to peer.
         self.manifest = manifest
+        # The stamp of a host copy that the registering client made (a local cluster's
+        # run, dask_pcm.templates.local.HostCopy): its workers trust a copy carrying it.
+        self.host_stamp = host_stamp
         # Tags this plugin's reports, so the scheduler tells them from those of the plugin
         # it replaced (dask_pcm.scheduler.registration).
         self.registration = registration
@@ -151,7 +155,12 @@ class ContextPlugin(WorkerPlugin):
         self.reporter = Reporter(worker, self.lifecycle.report, self.registration)
         self.lifecycle.changed = self.reporter.changed
         self.template = WorkerTemplate(
-            worker, self.context.template, self.manifest, self.lifecycle, self.context.loader
+            worker,
+            self.context.template,
+            self.manifest,
+            self.lifecycle,
+            self.context.loader,
+            known_stamp=self.host_stamp,
         )
         self.holder = Holder(self.context, self.lifecycle, self._event.clear)
         self.budget = MemoryBudget.of(worker)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from dask_pcm import config
 from dask_pcm.exceptions import TemplateFetchError
 from dask_pcm.templates.fetch import Planner, SourcePlanner, fetch
-from dask_pcm.templates.local import CopyUse, local_copy, use_copy
+from dask_pcm.templates.local import host_copy
 from dask_pcm.templates.manifest import Manifest, build_manifest
 from dask_pcm.templates.reader import source_reader
 from dask_pcm.templates.report import FetchReport
@@ -70,6 +70,10 @@ class WorkerTemplate:
     loader
         The context's loader: which files of the template travel is its choice
         (:func:`dask_pcm.templates.tree.list_template`).
+    known_stamp
+        The stamp of a host copy made by the registering client
+        (:class:`~dask_pcm.templates.local.HostCopy`): a copy carrying it is not read
+        again to verify it.
     """
 
     def __init__(
@@ -79,8 +83,10 @@ class WorkerTemplate:
         manifest: str | None,
         lifecycle: Lifecycle,
         loader: Any = None,
+        known_stamp: str | None = None,
     ) -> None:
         self.worker = worker
+        self.known_stamp = known_stamp
         self.loader = loader
         self.template = template
         self.manifest = manifest
@@ -114,13 +120,10 @@ class WorkerTemplate:
         began = time.perf_counter()
         make = lambda dest: self._fetch(manifest, dest, planner)  # noqa: E731
         trusted = manifest.digest in store.held
-        use: CopyUse | None = None
         scratch = Path(self.worker.local_directory).resolve().parent
-        if self.directory.resolve().is_relative_to(scratch):
-            use = use_copy(self.directory, manifest, make, trusted=trusted)
-            dest = use.dest
-        else:
-            dest = local_copy(self.directory, manifest, make, trusted=trusted)
+        dest, use = host_copy(
+            self.directory, scratch, manifest, make, trusted=trusted, known=self.known_stamp
+        )
         logger.info(
             "Template of %r on %s: local copy %s ready in %.2f s",
             self.context,

@@ -198,6 +198,42 @@ def test_a_task_past_its_timeout_is_recorded_and_its_worker_restarted(process_cl
     client.wait_for_workers(2, timeout=60)  # the stuck worker came back
 
 
+def _template_counts(rows):
+    """Bytes of the "llm" context's template this worker copied from the source and from
+    peers, and its copy's folder (its status record)."""
+    from distributed import get_worker
+
+    from dask_pcm.protocol import plugin_name
+
+    record = get_worker().plugins[plugin_name("llm")].record
+    copied = record.bytes_from_source + record.bytes_from_peers
+    return [{"copied": copied, "location": record.location} for _ in rows]
+
+
+def test_a_local_cluster_the_run_starts_finds_its_template_copied_meanwhile(
+    tiny_model_dir, tmp_path
+):
+    """The first worker of a local run used to copy the template only once the cluster had
+    started (about a second for the embedded model, before it could load it); the client
+    makes the host's copy while the cluster starts, and the workers use it without reading
+    it again. The copy goes when the run ends, with the cluster."""
+    import json
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["pcm_test"] = str(tmp_path)  # a template of its own: no other test's copy
+    (model / "config.json").write_text(json.dumps(config))
+    llm = dask_pcm.causal_lm(model, name="llm")
+    result = dask_pcm.run_batch(
+        _template_counts, ROWS[:8], contexts=llm, workers=2, rows_per_unit=2, progress=False
+    )
+    out = result.to_pandas()
+    assert list(out["copied"].unique()) == [0]  # no worker copied a byte
+    (location,) = out["location"].unique()
+    assert "dask-scratch-space" in location and not os.path.exists(location)
+
+
 def _crash_on_poison(rows, log):
     """A worker that meets the text "POISON" dies on the spot (as one killed by the kernel's
     memory killer would), noting it in the file ``log``."""

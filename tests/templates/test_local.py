@@ -177,3 +177,64 @@ def test_the_last_user_of_a_copy_removes_it(template, tmp_path):
     again = use_copy(tmp_path / "t", manifest, make)  # a later worker makes it again
     assert make.calls == 2 and _same_files(manifest, again.dest, root)
     again.release()
+
+
+def test_a_copy_made_by_the_client_is_trusted_by_workers_told_its_stamp(
+    template, tmp_path, monkeypatch
+):
+    """A run's client makes the host copy while its local cluster starts (HostCopy); its
+    workers, told the copy's stamp, use it without reading every byte again. A worker not
+    told it, or a copy whose stamp changed, is read again as before."""
+    manifest, root = template
+    scratch = tmp_path / "scratch"
+    directory = scratch / "pcm-templates"
+    made = local.HostCopy(manifest, root, directory, scratch)
+    assert local.host_stamp(manifest.digest) == made.token
+    made.make()
+    assert made.use is not None and _same_files(manifest, made.use.dest, root)
+    verified: list[Path] = []
+    verify = local.verify_copy
+
+    def counted(dest, manifest):
+        verified.append(dest)
+        return verify(dest, manifest)
+
+    monkeypatch.setattr(local, "verify_copy", counted)
+    never = _FromSource(manifest, root)
+    dest, use = local.host_copy(directory, scratch, manifest, never, known=made.token)
+    assert (dest, verified, never.calls) == (made.use.dest, [], 0)
+    _, other = local.host_copy(directory, scratch, manifest, never)  # not told: read again
+    assert verified == [dest] and never.calls == 0
+    # That check wrote a stamp of its own: the client's no longer vouches for the copy.
+    _, third = local.host_copy(directory, scratch, manifest, never, known=made.token)
+    assert verified == [dest, dest]
+    made.release()
+    assert local.host_stamp(manifest.digest) is None
+    for later in (other, third):
+        assert later is not None and later.release() is False
+    assert dest.is_dir()  # the first worker's use holds it
+    assert use is not None and use.release() is True and not dest.exists()
+
+
+def test_a_client_copy_that_fails_leaves_the_copy_to_the_workers(template, tmp_path):
+    manifest, _ = template
+    (tmp_path / "gone").mkdir()
+    made = local.HostCopy(manifest, tmp_path / "gone", tmp_path / "s" / "t", tmp_path / "s")
+    made.make()  # logs, does not raise
+    assert made.use is None and local.host_stamp(manifest.digest) is None
+    assert not any((tmp_path / "s" / "t").glob("*.partial"))
+    made.release()
+
+
+def test_a_client_copy_cancelled_midway_leaves_nothing_behind(template, tmp_path):
+    """A run that ends while its client still copies (Ctrl-C during start-up) must not
+    wait for the whole template, nor leave a half copy."""
+    manifest, root = template
+    made = local.HostCopy(manifest, root, tmp_path / "s" / "t", tmp_path / "s")
+    made.cancel()
+    made.make()
+    assert made.use is None and local.host_stamp(manifest.digest) is None
+    assert list((tmp_path / "s" / "t").iterdir()) == [
+        tmp_path / "s" / "t" / f".{manifest.digest[:16]}.lock"
+    ]
+    made.release()
