@@ -1,24 +1,31 @@
 """Checks a run makes while it waits on its cluster, so that no wait is for ever.
 
 :func:`check_cluster` raises when the wait cannot end: the client lost its scheduler
-(:class:`~dask_pcm.exceptions.ClusterLostError`, naming its address), or a batch cluster
-cannot get any worker (its ``raise_if_stuck()``: :class:`~dask_pcm.exceptions.BatchJobError`
-quoting the batch system). The dispatch loop calls it every second; :func:`watched_result`
-waits for one future the same way. :func:`scheduler_answers` tells a scheduler that is gone
+(:class:`~dask_pcm.exceptions.ClusterLostError`, naming its address), or its cluster cannot
+get any worker (its ``raise_if_stuck()``: :class:`~dask_pcm.exceptions.BatchJobError`
+quoting the batch system; for any other ``SpecCluster``, a local one of the user's, no
+worker object running and no ``adapt``: :class:`~dask_pcm.exceptions.NoWorkerError`).
+The dispatch loop calls it every second; :func:`watched_result` waits for one future the
+same way. :func:`scheduler_answers` tells a scheduler that is gone
 from one that closed one call.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
-from distributed import Client, Future, as_completed, wait
+from distributed import Client, Future, SpecCluster, as_completed, wait
 
+from dask_pcm.deploy.local import NoWorkerWatch
 from dask_pcm.exceptions import ClusterLostError
 
 #: Seconds between checks while waiting.
 TICK = 1.0
+
+# Clusters without a raise_if_stuck of their own, watched for having no worker.
+_WATCHES: weakref.WeakKeyDictionary[SpecCluster, NoWorkerWatch] = weakref.WeakKeyDictionary()
 
 
 def check_cluster(client: Client, unfinished: int | None = None) -> None:
@@ -27,9 +34,12 @@ def check_cluster(client: Client, unfinished: int | None = None) -> None:
     if client.status not in ("running", "newly-created"):
         left = "" if unfinished is None else f"; {unfinished} task(s) unfinished"
         raise scheduler_lost(client, f"client {client.status}{left}")
-    stuck = getattr(client.cluster, "raise_if_stuck", None)
+    cluster = client.cluster
+    stuck = getattr(cluster, "raise_if_stuck", None)
     if stuck is not None:
         stuck()
+    elif isinstance(cluster, SpecCluster):  # anyone's local cluster, say
+        _WATCHES.setdefault(cluster, NoWorkerWatch()).check(cluster)
 
 
 def scheduler_answers(client: Client, timeout: float = 5 * TICK) -> bool:

@@ -33,8 +33,9 @@ from dask_pcm.deploy import forkserver, with_preload, worker_setup
 from dask_pcm.exceptions import NoWorkerError
 from dask_pcm.gpus import visible_gpus
 
-# A worker object (nanny) of the cluster in one of these states brings a worker back.
-_ALIVE = (Status.init, Status.starting, Status.running)
+# A worker object of a cluster (a nanny, a batch job) in one of these states may still
+# bring a worker.
+_ALIVE = (Status.created, Status.init, Status.starting, Status.running)
 
 
 class Nanny(distributed.Nanny):
@@ -73,8 +74,6 @@ class LocalCluster(distributed.LocalCluster):
     worker cannot start again).
     """
 
-    _no_worker_since: float | None = None
-
     def _update_worker_status(self, op: str, msg: Any) -> None:
         if op != "remove":
             super()._update_worker_status(op, msg)
@@ -109,40 +108,67 @@ class LocalCluster(distributed.LocalCluster):
         Cheap and safe from any thread: ``run_batch`` and ``run_fever`` call it every
         second while they wait, as for a batch cluster.
         """
-        adaptive = getattr(self, "_adaptive", None)
+        watch = self.__dict__.setdefault("_no_worker_watch", NoWorkerWatch())
+        watch.check(self)
+
+
+class NoWorkerWatch:
+    """Notes since when a :class:`distributed.SpecCluster` (a local cluster, anyone's) has
+    had no worker connected and none that can come, and raises
+    :class:`~dask_pcm.exceptions.NoWorkerError` past ``pcm.jobs.start-timeout``.
+
+    None can come when no worker object of the cluster (a nanny, a worker) is running and
+    nothing scales it: distributed itself closes the nanny of a worker gone for
+    ``distributed.deploy.lost-worker-timeout``, restarting or not, and then waits. A cluster
+    with its own ``raise_if_stuck`` (a batch cluster, :class:`LocalCluster`) is asked that
+    instead (:func:`dask_pcm.batch.watch.check_cluster`).
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def check(self, cluster: distributed.SpecCluster) -> None:
+        """Raise if ``cluster`` has been without a worker, and without a way to get one, for
+        ``pcm.jobs.start-timeout``; note when that began. Safe from any thread."""
+        adaptive = getattr(cluster, "_adaptive", None)
         scaling = adaptive is not None and getattr(adaptive, "state", "running") in (
             "starting",
             "running",
         )
-        nannies = list(self.workers.items())
+        workers = list(cluster.workers.items())
         if (
-            self.scheduler_info.get("workers")
+            cluster.scheduler_info.get("workers")
             or scaling
-            or any(w.status in _ALIVE for _, w in nannies)
+            or any(getattr(w, "status", None) in _ALIVE for _, w in workers)
         ):
-            self._no_worker_since = None
+            self.since = None
             return
         now = time.monotonic()
-        if self._no_worker_since is None:
-            self._no_worker_since = now
+        if self.since is None:
+            self.since = now
         timeout = config.job_start_timeout()
-        waited = now - self._no_worker_since
+        waited = now - self.since
         if timeout is None or waited < timeout:
             return
-        stopped = ", ".join(f"{name!r} ({w.status.name})" for name, w in nannies)
+        stopped = ", ".join(f"{name!r} ({_status(w)})" for name, w in workers)
         why = (
-            f"the nannies of its workers {stopped} have stopped, as a nanny does when its "
-            "worker cannot start again (the log of this process says why)"
-            if nannies
-            else "it has no worker process (started with n_workers=0, or the nannies of its "
+            f"its workers {stopped} have stopped, as a nanny does when its worker cannot "
+            "start again (the log of the cluster's process says why)"
+            if workers
+            else "it has no worker process (started with none, or the nannies of its "
             "workers stopped because their workers could not start again)"
         )
         raise NoWorkerError(
-            f"No worker is connected to the local cluster at {self.scheduler_address}, and "
-            f"none can come: {why}. Scale it (cluster.scale(n)) or make it adaptive "
-            f"(cluster.adapt(...)). (No worker for {waited:.0f} s; pcm.jobs.start-timeout "
-            f"is {timeout:g} s.)"
+            f"No worker is connected to the {type(cluster).__name__} at "
+            f"{cluster.scheduler_address}, and none can come: {why}. Scale it "
+            f"(cluster.scale(n)) or make it adaptive (cluster.adapt(...)). (No worker for "
+            f"{waited:.0f} s; pcm.jobs.start-timeout is {timeout:g} s.)"
         )
+
+
+def _status(worker: Any) -> str:
+    status = getattr(worker, "status", None)
+    return getattr(status, "name", str(status))
 
 
 def local_cluster(

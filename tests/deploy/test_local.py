@@ -247,6 +247,27 @@ def test_a_run_on_a_local_cluster_that_cannot_get_a_worker_raises_instead_of_wai
         ):
             client.wait_for_workers(1)
             client.sync(lc.workers[0].close)  # as a nanny whose worker cannot start again
-            stopped = r"nannies of its workers 0 \(closed\) have stopped"
+            stopped = r"its workers 0 \(closed\) have stopped"
             with pytest.raises(dask_pcm.NoWorkerError, match=stopped):
                 dask_pcm.run_batch(_length, rows, cluster=lc, progress=False)
+
+
+def test_a_run_on_a_users_local_cluster_whose_nannies_were_closed_raises():
+    """On a plain distributed.LocalCluster, distributed itself closes the nanny of a worker
+    gone for lost-worker-timeout, even mid-restart, and then waits: a run on it used to
+    wait for ever with no worker (the CI hang, on a cluster that is not dask_pcm's)."""
+    import signal
+
+    rows = [{"id": i, "text": "x" * i} for i in range(4)]
+    timeouts = {"pcm.jobs.start-timeout": "2s", "distributed.deploy.lost-worker-timeout": "0.2s"}
+    with (
+        dask.config.set(timeouts),
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as lc,
+        Client(lc) as client,
+    ):
+        client.wait_for_workers(1)
+        (address,) = client.scheduler_info()["workers"]
+        os.kill(client.run(os.getpid)[address], signal.SIGKILL)
+        _gone(client, address)
+        with pytest.raises(dask_pcm.NoWorkerError, match="LocalCluster at tcp://"):
+            dask_pcm.run_batch(_length, rows, cluster=client, progress=False)
