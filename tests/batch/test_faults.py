@@ -22,21 +22,30 @@ from dask_pcm.batch.segments import INDEX, read_predictions
 from dask_pcm.exceptions import ClusterLostError
 
 RELEASE = threading.Event()
+#: The ids of the rows :func:`stuck_on_row_one` has returned (the workers run in this process).
+RETURNED: list[int] = []
 
 
 def stuck_on_row_one(rows):
     """Doubles each id; the unit holding id 1 does not return until RELEASE is set."""
     if any(r["id"] == 1 for r in rows):
-        RELEASE.wait(60)
+        RELEASE.wait(300)
+    RETURNED.extend(r["id"] for r in rows)
     return [{"id": r["id"], "double": 2 * r["id"]} for r in rows]
 
 
 def test_finished_units_are_written_on_time_while_a_unit_never_returns(make_cluster, tmp_path):
     """Only a new finished unit used to flush: with one unit stuck, the others stayed in
-    memory far past the flush interval, lost if the run was killed."""
-    settings = {"pcm.batch.flush-interval": "0.5s", "pcm.batch.task-seconds": 0}
+    memory far past the flush interval, lost if the run was killed.
+
+    Which units finish while one is stuck is Dask's choice: a task queued behind the stuck
+    one on its worker waits with it (unless it is stolen). So the test waits until the
+    units returned have stopped changing, then asks that the disk holds exactly them."""
+    interval = 3.0
+    settings = {"pcm.batch.flush-interval": f"{interval}s", "pcm.batch.task-seconds": 0}
     client = make_cluster(n_workers=2, config=settings)
     RELEASE.clear()
+    RETURNED.clear()
     out = tmp_path / "out"
     outcome: dict[str, object] = {}
 
@@ -52,13 +61,20 @@ def test_finished_units_are_written_on_time_while_a_unit_never_returns(make_clus
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        deadline = time.monotonic() + 60
-        written = 0
-        while written < 27 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            if (out / INDEX).exists():
-                written = len(read_predictions(out))
-        assert written == 27, f"{written} of the 27 finished rows on disk"
+        # Settled: no unit returned for the flush interval and two of the dispatch's ticks;
+        # by then every returned row must be on disk.
+        deadline = time.monotonic() + 120
+        seen, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if len(RETURNED) != seen:
+                seen, since = len(RETURNED), time.monotonic()
+            elif seen and time.monotonic() - since > interval + 2:
+                break
+        returned = sorted(RETURNED)
+        assert 1 not in returned and len(returned) >= 3, returned
+        written = sorted(read_predictions(out)["id"]) if (out / INDEX).exists() else []
+        assert written == returned, f"{len(written)} of the {len(returned)} returned rows on disk"
         assert thread.is_alive()  # the stuck unit still runs
     finally:
         RELEASE.set()
