@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import dask
 import pytest
 
@@ -127,3 +130,31 @@ def test_units_per_task_follows_the_measured_time():
     assert sizing.units_per_task(queued) == MAX_UNITS_PER_TASK
     assert sizing.units_per_task(12) == 3  # near the end: a share per thread, at least 1
     assert sizing.in_flight() == 64  # the floor, with 2 threads
+
+
+def _double(rows):
+    return [{"id": r["id"], "double": 2 * r["id"]} for r in rows]
+
+
+def test_a_run_started_before_any_worker_logs_no_error(make_cluster):
+    """While a batch cluster's first jobs queue, each wave's scatter used to wait for a
+    worker, fail on the scheduler and be logged there as an error with its traceback
+    ("No valid workers found"); the rows then travelled inside the tasks anyway."""
+    client = make_cluster(n_workers=0)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    loggers = [logging.getLogger(name) for name in ("distributed", "distributed.core")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    threading.Timer(2.5, client.cluster.scale, [1]).start()
+    try:
+        result = dask_pcm.run_batch(
+            _double, [{"id": i} for i in range(40)], cluster=client, rows_per_unit=4,
+            progress=False,
+        )  # fmt: skip
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert sorted(result.to_pandas()["double"]) == [2 * i for i in range(40)]
+    assert [r.getMessage() for r in records] == []
