@@ -608,12 +608,13 @@ def _send(client: Client, wave: WaveRows) -> Future | WaveRows:
     call's comm; the scheduler registers nothing then, and the next try goes to a worker
     that remains.
     """
-    if not client.nthreads():
-        # Asked first: a scatter with nobody to take it waits, then fails on the scheduler,
-        # which logs it as an error with its traceback (once per wave while jobs queue).
-        return wave
     for attempt in range(1, SCATTER_TRIES + 1):
         try:
+            if not client.nthreads():
+                # Asked first: a scatter with nobody to take it waits, then fails on the
+                # scheduler, which logs it as an error with its traceback (once per wave
+                # while the jobs queue).
+                return wave
             return client.scatter(wave, hash=False, timeout=TICK)
         except TimeoutError:  # before OSError: it is one
             return wave
