@@ -24,6 +24,10 @@ from typing import IO, Any
 import _protocol
 
 import dask_pcm
+
+# dask_pcm.register and status return tables, and the first of them in a process imports
+# pandas (a third of a second): imported here, so that no timed register pays it.
+import dask_pcm.status_table
 from dask_pcm.apps.fever import LABELS, Claim, PromptTemplate, demo_claims
 from dask_pcm.apps.fever import load_claims as read_claims
 from dask_pcm.apps.fever.scoring import score_logits
