@@ -333,7 +333,8 @@ def simulated(args: argparse.Namespace) -> None:
     args.chunk_mib = args.chunk_mib or 64
     print(
         f"simulated: template {args.template_gb:g} GB in chunks of {args.chunk_mib:g} MiB, "
-        f"links {args.link / 1e9:g} GB/s per worker each way, source {args.source / 1e9:g} GB/s"
+        f"links {args.link / 1e9:g} GB/s per worker each way, source {args.source / 1e9:g} GB/s "
+        f"({args.source_model}), latency {args.latency * 1e3:g} ms"
     )
     rows = []
     for n in sizes:
@@ -347,6 +348,8 @@ def simulated(args: argparse.Namespace) -> None:
                 chunk_size=int(args.chunk_mib * (1 << 20)),
                 link=args.link,
                 source=args.source,
+                latency=args.latency,
+                source_model=args.source_model,
             )
             r.update(
                 source_gb=r["source_bytes"] / 1e9,
@@ -355,6 +358,8 @@ def simulated(args: argparse.Namespace) -> None:
                 link_bytes_per_second=args.link,
                 source_bytes_per_second=args.source,
                 chunk_mib=args.chunk_mib,
+                latency=args.latency,
+                source_model=args.source_model,
             )
             rows.append(r)
             print(
@@ -466,6 +471,16 @@ def main() -> None:
         help="each worker in an emulated host behind a capped link (root; ci/hosts/setup.sh)",
     )
     p.add_argument("--source", type=float, default=1e9, help="--simulate: B/s of the source")
+    p.add_argument(
+        "--source-model",
+        choices=("shared", "queued"),
+        default="shared",
+        help="--simulate: reads at once share the source over their readers' links (default), "
+        "or take turns off the links, as --hosts' source does",
+    )
+    p.add_argument(
+        "--latency", type=float, default=0.0002, help="--simulate: one-way seconds (0.0002)"
+    )
     args = p.parse_args()
     if args.hosts:
         import _scale_out_hosts

@@ -10,7 +10,9 @@ distributed's ``send_recv``. What is simulated is the network and the clock:
 - a :class:`Network` of links, each with a capacity in bytes per second: one upload and one
   download link per worker, and one for the source (a shared filesystem). Flows share every
   link they cross equally (a flow's rate is the smallest share along its path), as TCP
-  streams roughly do; every message pays the one-way ``latency``;
+  streams roughly do; every message pays the one-way ``latency``. A source read is such a
+  flow, over the reader's download link, or (``source_model="queued"``) a turn at the
+  source off the links, as ``pcm.template.source-bandwidth`` serves reads;
 - a :class:`VirtualClockLoop`: an asyncio event loop whose clock jumps to the next timer
   whenever nothing is ready to run, so a broadcast of gigabytes to hundreds of workers takes
   the real time of its work, not of its waits. Work handed to threads (disk writes, hashing)
@@ -57,9 +59,17 @@ from dask_pcm.templates.report import FetchReport
 from dask_pcm.templates.serve import TemplateStore
 from dask_pcm.testing.netsim import Network, VirtualClockLoop
 
-__all__ = ["MODES", "Network", "VirtualClockLoop", "simulate", "synthetic_template"]
+__all__ = [
+    "MODES",
+    "SOURCE_MODELS",
+    "Network",
+    "VirtualClockLoop",
+    "simulate",
+    "synthetic_template",
+]
 
 MODES = ("source", "p2p")
+SOURCE_MODELS = ("shared", "queued")
 
 
 # -- simulated workers, comms and scheduler ---------------------------------------------------
@@ -142,17 +152,25 @@ class _Worker:
 
 
 class _SimReader(SourceReader):
-    """Source reads over the source's link and the reader's download link."""
+    """Source reads as the simulation's ``source_model`` has them (:func:`simulate`)."""
 
     def __init__(self, sim: _Simulation, me: str) -> None:
         self.sim, self.me = sim, me
 
     async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         data = read_chunk(root, manifest, index)
+        nbytes = len(data) * self.sim.scale
+        if self.sim.source_model == "queued":
+            # Booked as pcm.template.source-bandwidth books a read: after those before it.
+            loop = asyncio.get_running_loop()
+            start = max(loop.time(), self.sim.source_free_at)
+            self.sim.source_free_at = start + nbytes / self.sim.network.capacity["source"]
+            moved = self.sim.network.moved
+            moved["source"] = moved.get("source", 0.0) + nbytes
+            await asyncio.sleep(self.sim.source_free_at - loop.time())
+            return data
         with self.sim.receiving(self.me):
-            await self.sim.network.transfer(
-                ("source", f"{self.me}/down"), len(data) * self.sim.scale
-            )
+            await self.sim.network.transfer(("source", f"{self.me}/down"), nbytes)
         return data
 
 
@@ -164,6 +182,8 @@ _CHARGE: contextvars.ContextVar[list[float]] = contextvars.ContextVar("charge")
 class _Simulation:
     network: Network
     scale: int
+    source_model: str = "shared"
+    source_free_at: float = 0.0  # "queued": when the source has served every read booked
     workers: dict[str, _Worker] = field(default_factory=dict)
     directory: ChunkDirectory | None = None
     uploads: dict[str, float] = field(default_factory=dict)
@@ -261,13 +281,14 @@ async def _broadcast(
     in_flight: int,
     max_uploads: int,
     max_in_flight: int | None,
+    source_model: str,
 ) -> dict[str, Any]:
     manifest, root = synthetic_template(folder / "source", template_bytes, chunk_size, scale)
     names = [f"sim://worker-{i}" for i in range(n)]
     capacity = {"source": float(source)}
     for name in names:
         capacity[f"{name}/up"] = capacity[f"{name}/down"] = float(link)
-    sim = _Simulation(Network(capacity, latency), scale)
+    sim = _Simulation(Network(capacity, latency), scale, source_model)
     sim.workers = {name: _Worker(sim, name, max_uploads) for name in names}
     held: dict[str, float] = {}  # worker -> when it held the whole template
     sim.attach(
@@ -336,12 +357,18 @@ def simulate(
     in_flight: int | None = None,
     max_uploads: int | None = None,
     max_in_flight: int | None = None,
+    source_model: str = "shared",
 ) -> dict[str, Any]:
     """``n`` workers that join at once copy a template; when the last holds it, and traffic.
 
     ``mode`` ``"p2p"`` plans from the chunk directory, ``"source"`` reads everything from
     the source. ``link`` is each worker's upload and download capacity, ``source`` the
     source's, both in bytes per second; ``latency`` is one way, in seconds.
+    ``source_model`` says how the source serves reads at once: ``"shared"`` (its capacity
+    shared equally between them, each read crossing its reader's download link, as a
+    shared filesystem reached over the workers' network) or ``"queued"`` (one after
+    another in the order asked, off the workers' links, as ``pcm.template.source-bandwidth``
+    books them: the source of ``benchmarks/scale_out.py --hosts``).
 
     Returns a dict: ``seconds`` (simulated, until the last worker holds the whole template;
     also ``median_seconds`` and ``first_seconds``), ``source_bytes``, ``peer_bytes``,
@@ -355,6 +382,8 @@ def simulate(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
+    if source_model not in SOURCE_MODELS:
+        raise ValueError(f"source_model must be one of {SOURCE_MODELS}, got {source_model!r}")
     in_flight = in_flight or int(dask.config.get("pcm.template.in-flight"))
     max_uploads = max_uploads or int(dask.config.get("pcm.template.max-uploads"))
     loop = VirtualClockLoop()
@@ -382,6 +411,7 @@ def simulate(
                     in_flight,
                     max_uploads,
                     max_in_flight,
+                    source_model,
                 )
             )
     finally:

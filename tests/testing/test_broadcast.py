@@ -69,6 +69,23 @@ def test_every_worker_gets_every_byte_and_the_source_is_read_once():
     assert source["peer_bytes"] == 0
 
 
+def test_a_queued_source_serves_reads_in_turn_off_the_links():
+    """``source_model="queued"``, as ``pcm.template.source-bandwidth`` serves reads (the
+    source of ``scale_out.py --hosts``): a read does not cross its reader's download link,
+    and reads at once take turns at the source's full rate."""
+    slow_links = {"template_bytes": GB, "link": 0.5 * GB, "source": GB}
+    shared = simulate(1, "source", **slow_links)
+    queued = simulate(1, "source", source_model="queued", **slow_links)
+    assert shared["seconds"] == pytest.approx(2.0, rel=0.05)  # bound by the reader's link
+    assert queued["seconds"] == pytest.approx(1.0, rel=0.05)  # by the source alone
+    assert queued["source_bytes"] == pytest.approx(queued["template_bytes"])
+    four = simulate(4, "source", source_model="queued", **slow_links)
+    assert four["seconds"] == pytest.approx(4.0, rel=0.05)
+    assert four["source_bytes"] == pytest.approx(4 * four["template_bytes"])
+    with pytest.raises(ValueError, match="source_model"):
+        simulate(1, source_model="fair")
+
+
 def test_from_the_source_alone_the_time_grows_linearly():
     one = simulate(1, "source", template_bytes=GB)["seconds"]
     four = simulate(4, "source", template_bytes=GB)["seconds"]
