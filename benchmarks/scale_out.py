@@ -54,6 +54,7 @@ import dask_pcm
 from dask_pcm.scheduler import ContextScheduler
 from dask_pcm.templates.manifest import build_manifest
 from dask_pcm.templates.throttle import SharedBandwidth
+from dask_pcm.testing.broadcast import SOURCE_MODELS, simulate
 
 COLUMNS = [
     ("n", "N", "d"),
@@ -324,8 +325,6 @@ def simulated(args: argparse.Namespace) -> None:
     to ``--source-up-to``: every reader shares the one source link, so each flow that starts
     or ends re-rates all N, and past a few hundred the simulation takes long to show what
     N * S / B says)."""
-    from dask_pcm.testing.broadcast import simulate
-
     top = 64 if args.quick else 1024
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1 << k for k in range(11)]
     sizes = [n for n in sizes if n <= top or args.sizes]
@@ -473,7 +472,7 @@ def main() -> None:
     p.add_argument("--source", type=float, default=1e9, help="--simulate: B/s of the source")
     p.add_argument(
         "--source-model",
-        choices=("shared", "queued"),
+        choices=SOURCE_MODELS,
         default="shared",
         help="--simulate: reads at once share the source over their readers' links (default), "
         "or take turns off the links, as --hosts' source does",

@@ -160,7 +160,10 @@ class _SimReader(SourceReader):
     async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         data = read_chunk(root, manifest, index)
         nbytes = len(data) * self.sim.scale
-        if self.sim.source_model == "queued":
+        with self.sim.receiving(self.me):
+            if self.sim.source_model == "shared":
+                await self.sim.network.transfer(("source", f"{self.me}/down"), nbytes)
+                return data
             # Booked as pcm.template.source-bandwidth books a read: after those before it.
             loop = asyncio.get_running_loop()
             start = max(loop.time(), self.sim.source_free_at)
@@ -168,9 +171,6 @@ class _SimReader(SourceReader):
             moved = self.sim.network.moved
             moved["source"] = moved.get("source", 0.0) + nbytes
             await asyncio.sleep(self.sim.source_free_at - loop.time())
-            return data
-        with self.sim.receiving(self.me):
-            await self.sim.network.transfer(("source", f"{self.me}/down"), nbytes)
         return data
 
 
