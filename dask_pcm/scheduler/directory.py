@@ -8,13 +8,8 @@ does: the source is read a few chunks at a time (a *lease* per chunk), so whole 
 out of it early, one after another; each chunk someone holds is planned from its least busy
 holder, never one already serving ``pcm.template.max-uploads`` (but a holder serving one
 peer alone gives it what its window asks for), rarest chunks first, so every new holder
-starts passing its chunks on at once. Where round trips to the scheduler are long for the
-links, the copies say so (each votes an ``extra``: :meth:`~dask_pcm.templates.window.Window.vote`);
-with most of a template's copies for it, every copy keeps that many chunks more in flight and
-every holder as many uploads more at once, so that an upload link does not idle while a
-report, a plan and a request travel between two uploads. (One decision for all: a few
-copies deeper than the rest take more than their share of the holders.) A worker that
-served a chunk with the wrong bytes is not offered for that chunk again. ``benchmarks/scale_out.py --simulate`` shows what this
+starts passing its chunks on at once. A worker that served a chunk with the wrong bytes is
+not offered for that chunk again. ``benchmarks/scale_out.py --simulate`` shows what this
 gives at up to 1,024 workers.
 """
 
@@ -93,12 +88,7 @@ class ChunkDirectory:
         # the peers it has uploads planned to (its load is their number) and how many each.
         self.planned: dict[str, dict[str, dict[int, str]]] = {}
         self.load: dict[str, Counter[str]] = {}
-        self.busy: dict[str, set[str]] = {}  # holders with all the uploads they may have
-        # Each copy's vote for chunks more in flight to cover its round trips, their tally,
-        # and what their median decided: uploads at once beyond max_uploads for every holder.
-        self.votes: dict[str, dict[str, int]] = {}
-        self.tally: dict[str, Counter[int]] = {}
-        self.extra: dict[str, int] = {}
+        self.busy: dict[str, set[str]] = {}  # holders with max_uploads planned
         self.uploading: dict[str, dict[str, Counter[str]]] = {}
         # Workers asking for plans of a template, and when they last did (a worker that has
         # not asked for LEASE_SECONDS, or holds it whole, copies it no longer).
@@ -115,7 +105,6 @@ class ChunkDirectory:
         missing: list[int],
         limit: int | None = None,
         wait: float = 0.0,
-        extra: int = 0,
     ) -> dict[str, Any]:
         """RPC handler: :meth:`plan`; when it has nothing for ``worker``, wait up to ``wait``
         seconds for a change (a chunk held, an upload or a lease done, a worker gone) that
@@ -124,11 +113,9 @@ class ChunkDirectory:
         Workers that ask this way hear of a chunk they can have at once, instead of asking
         again and again (each ask costs the scheduler a plan) or pausing longer between
         asks (which delays the copy). The answer also says whether other workers copy the
-        template too (``"together"``), and how many chunks more than
-        ``pcm.template.in-flight`` its copies keep in flight (``"extra"``: the median of
-        their votes).
+        template too (``"together"``).
         """
-        answer = self.plan(digest, worker, missing, limit, extra)
+        answer = self.plan(digest, worker, missing, limit)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while not (answer["peers"] or answer["source"]):
@@ -139,12 +126,11 @@ class ChunkDirectory:
             self._waiting.setdefault(digest, collections.deque()).append(changed)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed, left)
-            answer = self.plan(digest, worker, missing, limit, extra)
+            answer = self.plan(digest, worker, missing, limit)
         # Copies together keep few chunks queued on the links they share, so that each
         # chunk is passed on soon; a copy alone sizes its window to its link.
         # (The whole copies as the plan just now saw them: asking again costs O(N).)
         answer["together"] = self.others_copying(digest, worker, self._whole)
-        answer["extra"] = self.extra.get(digest, 0)
         return answer
 
     def _notify(self, digest: str | None = None) -> None:
@@ -168,22 +154,16 @@ class ChunkDirectory:
                 self._waiting.pop(key, None)
 
     def plan(
-        self,
-        digest: str,
-        worker: str,
-        missing: list[int],
-        limit: int | None = None,
-        extra: int = 0,
+        self, digest: str, worker: str, missing: list[int], limit: int | None = None
     ) -> dict[str, Any]:
         """RPC handler: where ``worker`` should get (at most ``limit`` of) its ``missing``
-        chunks now; ``extra``: its vote for chunks more in flight to cover its round trips
-        (:meth:`vote`).
+        chunks now.
 
         Returns ``{"peers": {index: [workers]}, "source": [indexes]}``. Chunks someone holds
         (whole copies and partial ones) come first, the rarest first, each from the least
         loaded of its holders (then up to two others, in case it fails); a holder with
-        ``max_uploads`` (plus the template's ``extra``) uploads planned is not offered until
-        one is done, unless they all go to the asker.
+        ``max_uploads`` uploads planned is not offered until one is done, unless they all go
+        to the asker.
         Chunks nobody holds or reads get a source lease: at most :data:`SOURCE_LEASES` per
         worker (all of :data:`SOURCE_READS` when no other worker is copying the template)
         and :data:`SOURCE_READS` per template at once. A lease lapses after
@@ -192,8 +172,6 @@ class ChunkDirectory:
         now = time.time()
         copying = self.copying.setdefault(digest, {})
         copying[worker] = now
-        self.vote(digest, worker, extra)
-        uploads = self.max_uploads + self.extra.get(digest, 0)
         limit = len(missing) if limit is None else limit
         whole = self._whole = self.whole_copies(digest)
         holders = self.holders.setdefault(digest, {})
@@ -265,7 +243,7 @@ class ChunkDirectory:
                     to = uploading[holder] = Counter()
                 to[worker] += 1
                 load[holder] += 1
-                if load[holder] >= uploads:
+                if load[holder] >= self.max_uploads:
                     busy.add(holder)
         source: list[int] = []
         # Past SOURCE_LEASES, only a worker that nobody else copies the template with (the
@@ -308,38 +286,6 @@ class ChunkDirectory:
             del copying[other]
         return found
 
-    def vote(self, digest: str, worker: str, extra: int | None) -> None:
-        """``worker``'s copy would keep ``extra`` chunks more in flight than
-        ``pcm.template.in-flight`` to cover its round trips (None: it copies no longer).
-        The template's ``extra`` is the median of its copies' votes (a worker that holds it
-        whole keeps the vote it last gave: its links are the same); the holders' uploads at
-        once follow it."""
-        votes = self.votes.setdefault(digest, {})
-        tally = self.tally.setdefault(digest, Counter())
-        before = votes.pop(worker, None)
-        if before == extra:
-            if extra is not None:
-                votes[worker] = extra
-            return
-        if before is not None:
-            tally[before] -= 1
-            if not tally[before]:
-                del tally[before]
-        if extra is not None:
-            votes[worker] = extra
-            tally[extra] += 1
-        decided, seen = 0, 0
-        for value in sorted(tally):  # the median (the lower one of an even count)
-            seen += tally[value]
-            if 2 * seen >= len(votes):
-                decided = value
-                break
-        if decided != self.extra.get(digest, 0):
-            self.extra[digest] = decided
-            uploads = self.max_uploads + decided
-            load = self.load.get(digest, Counter())
-            self.busy[digest] = {holder for holder, n in load.items() if n >= uploads}
-
     def _done(self, digest: str, worker: str, index: int) -> None:
         """The upload planned for ``worker``'s chunk ``index`` (if any) is over."""
         holder = self.planned.get(digest, {}).get(worker, {}).pop(index, None)
@@ -349,7 +295,7 @@ class ChunkDirectory:
     def _unplan(self, digest: str, holder: str, worker: str) -> None:
         """One upload planned from ``holder`` to ``worker`` is over."""
         self.load[digest][holder] -= 1
-        if self.load[digest][holder] < self.max_uploads + self.extra.get(digest, 0):
+        if self.load[digest][holder] < self.max_uploads:
             self.busy[digest].discard(holder)
         to = self.uploading[digest][holder]
         to[worker] -= 1
@@ -421,9 +367,6 @@ class ChunkDirectory:
             self.uploading.get(digest, {}).pop(worker, None)
         for copying in self.copying.values():
             copying.pop(worker, None)
-        for digest, votes in self.votes.items():
-            if worker in votes:
-                self.vote(digest, worker, None)
         self._notify()
 
 

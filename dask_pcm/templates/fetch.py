@@ -220,40 +220,6 @@ class _Chunks:
         self.report.chunks_from_source += 1
 
 
-class _Inbound:
-    """Chunks requested whose bytes are not in yet, and the rate bytes come in at while any
-    are on the way (the link's rate, as far as the copy's peers fill it)."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.indexes: set[int] = set()
-        self.bytes = 0
-        self.seconds = 0.0  # with a chunk on the way, before ``since``
-        self.since: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.indexes)
-
-    def add(self, index: int) -> None:
-        if not self.indexes:
-            self.since = self.clock()
-        self.indexes.add(index)
-
-    def discard(self, index: int, nbytes: int = 0) -> None:
-        if index not in self.indexes:
-            return
-        self.indexes.discard(index)
-        self.bytes += nbytes
-        if not self.indexes and self.since is not None:
-            self.seconds += self.clock() - self.since
-            self.since = None
-
-    def seconds_per(self, nbytes: int) -> float | None:
-        """Seconds ``nbytes`` take at the rate so far (None: nothing in yet)."""
-        seconds = self.seconds + (0.0 if self.since is None else self.clock() - self.since)
-        return nbytes * seconds / self.bytes if self.bytes and seconds > 0 else None
-
-
 def _timeout(timeout: float | str | None) -> float | None:
     return config.fetch_timeout() if timeout == "configured" else timeout  # type: ignore[return-value]
 
@@ -277,8 +243,7 @@ async def fetch(
     :func:`~dask_pcm.templates.reader.source_reader`, ``timeout`` to
     ``pcm.template.fetch-timeout``. Chunks are received ``in_flight`` at a time at first
     (``pcm.template.in-flight``), then as many as the rate they arrive at says
-    (:class:`~dask_pcm.templates.window.Window`), one more while the round trips to the
-    planner are long for the links, never more than ``max_in_flight``
+    (:class:`~dask_pcm.templates.window.Window`), never more than ``max_in_flight``
     (``pcm.template.max-in-flight``); each is verified and written while the next ones
     arrive, at most :data:`WRITE_AHEAD` beyond the window, so the copy holds at most
     ``max_in_flight + WRITE_AHEAD`` chunks in memory.
@@ -305,11 +270,11 @@ async def fetch(
     me = worker.address
     reports = Reports(planner)
     loop = asyncio.get_running_loop()
-    receiving = _Inbound(loop.time)  # chunks requested whose bytes are not in yet
+    receiving: set[int] = set()  # chunks requested whose bytes are not in yet
     wake = asyncio.Event()  # a chunk's bytes are in: its slot in the window is free
 
     def arrived(index: int, nbytes: int) -> None:
-        receiving.discard(index, nbytes)
+        receiving.discard(index)
         if nbytes:
             window.received(nbytes, loop.time())
         wake.set()
@@ -349,7 +314,6 @@ async def fetch(
         while writer.missing:
             chunks.check_deadline()
             reports.check()
-            vote = window.vote(planner.round_trip, receiving.seconds_per(manifest.chunk_size))
             # Room in the window (chunks being received) and in memory (chunks held).
             free = max(
                 0, min(window.size - len(receiving), window.size + WRITE_AHEAD - len(running))
@@ -358,9 +322,8 @@ async def fetch(
             started = 0
             if free and wanted:
                 # With nothing in flight, the planner may hold the answer until it has one.
-                plan = await planner.plan(wanted, free, 0.0 if running else _PLAN_WAIT, vote)
+                plan = await planner.plan(wanted, free, 0.0 if running else _PLAN_WAIT)
                 report.rounds += 1
-                window.cover(plan.get("extra", vote))
                 work = [(int(i), list(peers)) for i, peers in plan["peers"].items()]
                 work += [(int(i), []) for i in plan["source"]]
                 if work:

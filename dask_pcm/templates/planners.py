@@ -21,22 +21,12 @@ if TYPE_CHECKING:
 class Planner(Protocol):
     """Where the missing chunks of one copy should come from now, and who holds what."""
 
-    #: Seconds a call to the planner takes, recent calls weighed most (None: no calls
-    #: timed yet, or a planner that makes none).
-    round_trip: float | None
-
-    async def plan(
-        self, missing: list[int], limit: int, wait: float = 0.0, extra: int = 0
-    ) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         """``{"peers": {index: [workers]}, "source": [indexes]}``: at most ``limit`` of the
         ``missing`` chunks to fetch now, each from the first usable of its peers, or (no
         peers) from the source. With nothing to plan now, it may wait up to ``wait`` seconds
         for something. ``"together": True`` when other workers copy the template too (the
-        copy then keeps its window small: :meth:`~dask_pcm.templates.window.Window.shared`).
-        ``extra``: chunks more than ``pcm.template.in-flight`` the copy asks to keep in
-        flight to cover its round trips (:meth:`~dask_pcm.templates.window.Window.vote`);
-        ``"extra"`` in the answer, where given: what the template's copies decided
-        (:meth:`~dask_pcm.templates.window.Window.cover`)."""
+        copy then keeps its window small: :meth:`~dask_pcm.templates.window.Window.shared`)."""
         ...
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
@@ -44,60 +34,32 @@ class Planner(Protocol):
         ...
 
 
-# Weight of the latest call in :attr:`DirectoryPlanner.round_trip`.
-_RECENT = 0.25
-
-
 class DirectoryPlanner:
-    """Plans from the scheduler's chunk directory (peer to peer), timing its calls: what a
-    report or a plan waits on the links and in the scheduler is time a holder's upload slot
-    idles between two uploads."""
+    """Plans from the scheduler's chunk directory (peer to peer)."""
 
     def __init__(self, worker: Worker, digest: str) -> None:
         self.worker = worker
         self.digest = digest
-        self.round_trip: float | None = None
 
-    def _timed(self, seconds: float) -> None:
-        last = self.round_trip
-        self.round_trip = seconds if last is None else last + _RECENT * (seconds - last)
-
-    async def plan(
-        self, missing: list[int], limit: int, wait: float = 0.0, extra: int = 0
-    ) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         rpc = getattr(self.worker.scheduler, CHUNK_PLAN_OP)
-        # Sent only when set: a scheduler of an older release takes no such argument.
-        more = {"extra": extra} if extra else {}
-        clock = asyncio.get_running_loop().time
-        start = clock()
-        answer = await rpc(
+        return await rpc(
             digest=self.digest,
             worker=self.worker.address,
             missing=missing,
             limit=limit,
             wait=wait,
-            **more,
         )
-        if not wait:  # answered at once: the round trip alone
-            self._timed(clock() - start)
-        return answer
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:
         rpc = getattr(self.worker.scheduler, CHUNK_HAVE_OP)
-        clock = asyncio.get_running_loop().time
-        start = clock()
         await rpc(digest=self.digest, worker=worker, indexes=indexes, **changes)
-        self._timed(clock() - start)
 
 
 class SourcePlanner:
     """Every chunk from the source (``pcm.template.peer-to-peer: false``)."""
 
-    round_trip: float | None = None
-
-    async def plan(
-        self, missing: list[int], limit: int, wait: float = 0.0, extra: int = 0
-    ) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         return {"peers": {}, "source": list(missing[:limit])}
 
     async def have(self, worker: str, indexes: list[int], **changes: list[int]) -> None:

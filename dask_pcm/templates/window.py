@@ -20,14 +20,6 @@ peers waiting to be passed each chunk on. It never leaves ``[floor, cap]``:
 ``cap`` (``pcm.template.max-in-flight``) bounds the memory a copy holds; ``floor``
 (``pcm.template.in-flight``) is what a copy keeps however slow its link.
 
-Round trips count too. Between two chunks a holder sends, the receiver's report, the next
-copy's plan and its request each cross the network (and wait behind the chunks queued on a
-busy link). Where these round trips take more than :data:`COVER` of one chunk's time on the
-link, a copy votes for one chunk more (:meth:`Window.vote`); where most of a template's
-copies do, the directory raises every copy's floor by one (:meth:`Window.cover`) and every
-holder's uploads at once by as much (:mod:`dask_pcm.scheduler.directory`), so that a chunk is
-on the way while the next upload is being planned.
-
 Example
 -------
 >>> window = Window(start=2, cap=8)
@@ -48,10 +40,6 @@ KEEP = 0.25
 # Samples at one size before probing one chunk more again (the link may have room now: a
 # peer finished, another joined).
 PROBE_AFTER = 4
-# The share of one chunk's time on the link that round trips to the planner may take before
-# a copy keeps one chunk more in flight, and its holder one upload more
-# (`benchmarks/scale_out.py --simulate --latency` compares round trips).
-COVER = 0.1
 
 
 class Window:
@@ -70,8 +58,7 @@ class Window:
         if cap < 1 or start < 1:
             raise ValueError(f"a window needs start and cap of at least 1, got {start}, {cap}")
         self.cap = cap
-        self.floor = self.size = self.start = min(start, cap)
-        self.extra = 0  # chunks added to the floor to cover round trips (:meth:`cover`)
+        self.floor = self.size = min(start, cap)
         self.peak = self.size
         self._since: float | None = None
         self._bytes = 0
@@ -97,25 +84,6 @@ class Window:
         self.starved(now)
         self.size = self.floor
         self._reference, self._probing, self._steady = None, False, 0
-
-    def vote(self, round_trip: float | None, chunk_seconds: float | None) -> int:
-        """Chunks more in flight this copy asks for: one while a round trip to the planner
-        (``round_trip`` seconds) takes more than :data:`COVER` of a chunk's time on the link
-        (``chunk_seconds``), if the cap leaves room; else none."""
-        if round_trip is None or chunk_seconds is None or round_trip <= COVER * chunk_seconds:
-            return 0
-        return min(1, self.cap - self.start)
-
-    def cover(self, extra: int) -> None:
-        """Keep ``extra`` chunks more than ``start`` in flight at least (what the copies of
-        the template decided, or this copy's own :meth:`vote` where it has no directory)."""
-        extra = max(0, min(extra, self.cap - self.start))
-        if extra != self.extra:
-            self.size = min(self.cap, max(self.size + extra - self.extra, self.start + extra))
-            self.extra = extra
-            self.floor = self.start + extra
-            self.peak = max(self.peak, self.size)
-            self._reference, self._probing, self._steady = None, False, 0
 
     def received(self, nbytes: int, now: float) -> None:
         """A chunk of ``nbytes`` arrived at ``now``; after a window's worth, adapt."""

@@ -340,7 +340,6 @@ async def _broadcast(
         "scheduler_seconds": sim.scheduler_seconds,
         "peak_windows": [windows[name] for name in names],
         "peak_in_flight": max(sim.peak_in_flight.values(), default=0),
-        "extra": sim.directory.extra.get(manifest.digest, 0) if sim.directory else 0,
         "real_seconds": time.perf_counter() - real,
     }
 
@@ -375,9 +374,7 @@ def simulate(
     also ``median_seconds`` and ``first_seconds``), ``source_bytes``, ``peer_bytes``,
     ``max_peer_upload_bytes`` (the busiest uploader), ``scheduler_seconds`` (CPU time in
     the directory), ``peak_windows`` (each worker's largest window),
-    ``peak_in_flight`` (the most chunks any worker was receiving at once), ``extra`` (the
-    chunks more than ``in_flight`` the copies last decided to keep in flight, to cover
-    their round trips: :meth:`~dask_pcm.templates.window.Window.vote`) and
+    ``peak_in_flight`` (the most chunks any worker was receiving at once) and
     ``real_seconds`` (what the simulation took). ``in_flight``, ``max_in_flight`` and
     ``max_uploads`` default to their ``pcm.template`` settings.
     """

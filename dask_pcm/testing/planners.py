@@ -13,11 +13,7 @@ class StaticPeers:
         self.peers = list(dict.fromkeys(peers))
         self.told: list[tuple[str, list[int], dict[str, list[int]]]] = []
 
-    round_trip: float | None = None
-
-    async def plan(
-        self, missing: list[int], limit: int, wait: float = 0.0, extra: int = 0
-    ) -> dict[str, Any]:
+    async def plan(self, missing: list[int], limit: int, wait: float = 0.0) -> dict[str, Any]:
         if not self.peers:
             return {"peers": {}, "source": list(missing[:limit])}
         return {"peers": {i: list(self.peers) for i in missing[:limit]}, "source": []}

@@ -89,14 +89,13 @@ def test_a_waiting_plan_returns_as_soon_as_a_chunk_is_held():
         assert not waiting.done()  # every chunk c wants is being read by someone else
         directory.have("d", "a", [1])
         answer = await asyncio.wait_for(waiting, 5)
-        assert answer == {"peers": {1: ["a"]}, "source": [], "together": True, "extra": 0}
+        assert answer == {"peers": {1: ["a"]}, "source": [], "together": True}
         assert loop.time() - start < 5
         # With nothing to plan, it gives up after ``wait``, with an empty plan.
         assert await directory.plan_waiting("d", "e", [0], 1, wait=0.1) == {
             "peers": {},
             "source": [],
             "together": True,  # a, b and c copy the template too
-            "extra": 0,
         }
 
     asyncio.run(main())
@@ -140,40 +139,6 @@ def test_a_holder_serving_one_peer_alone_gives_it_as_many_chunks_as_it_asks():
     assert sorted(plan) == [0, 1, 4]
     assert (plan[4][0], plan[0][0], plan[1][0]) == ("a", "b", "b")
     assert directory.load["d"]["a"] == 2
-
-
-def test_where_most_copies_vote_for_it_every_holder_takes_one_upload_more_at_once():
-    directory = make("abcdefgh", max_uploads=2)
-    directory.have("d", "a", [0, 1, 2, 3])  # a holds four chunks and copies the rest
-    votes = dict.fromkeys("abcd", 1) | dict.fromkeys("efg", 0)  # 4 of 7 find them long
-    for worker in "abc":
-        directory.plan("d", worker, [4, 5], limit=0, extra=votes[worker])
-    planned = [
-        directory.plan("d", w, [0, 1, 2, 3], limit=1, extra=votes[w])["peers"] for w in "defg"
-    ]
-    assert directory.extra["d"] == 1
-    assert [list(p.values()) for p in planned] == [[["a"]]] * 3 + [[]]  # 2 + 1 at once
-    for worker in "bc":  # their round trips are short again: 2 of 7 left
-        directory.plan("d", worker, [4, 5], limit=0)
-    assert directory.extra["d"] == 0 and "a" in directory.busy["d"]
-    directory.have("d", "d", list(planned[0]))
-    only_a = [i for i in range(4) if i not in planned[0] and i not in planned[1]]
-    assert directory.plan("d", "g", only_a, limit=1)["peers"] == {}  # still 2 planned
-    directory.have("d", "e", list(planned[1]))
-    assert list(directory.plan("d", "g", only_a, limit=1)["peers"].values()) == [["a"]]
-    directory.remove_worker("a")
-    assert "a" not in directory.votes["d"]
-
-
-def test_a_plan_says_how_many_chunks_more_the_copies_decided():
-    directory = make("abc", max_uploads=2)
-
-    def extra(worker, vote=0):
-        return asyncio.run(directory.plan_waiting("d", worker, [0], 1, extra=vote))["extra"]
-
-    assert extra("a", 1) == 1  # alone
-    assert extra("b") == 0  # a tie is not most
-    assert extra("c", 1) == 1
 
 
 def test_a_change_wakes_a_few_waiting_plans_not_all():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dask_pcm.templates.window import COVER, PROBE_AFTER, Window
+from dask_pcm.templates.window import PROBE_AFTER, Window
 
 CHUNK = 64 << 20
 
@@ -80,23 +80,3 @@ def test_a_window_needs_room_for_a_chunk(start, cap):
 
 def test_the_start_is_lowered_to_the_cap():
     assert Window(start=4, cap=2).size == 2
-
-
-def test_a_copy_votes_for_a_chunk_more_where_round_trips_are_long_for_its_link():
-    window = Window(start=2, cap=4)
-    assert window.vote(None, None) == 0  # nothing timed yet
-    assert window.vote(0.001, 0.2) == 0  # a cluster's network
-    assert window.vote(0.2 * COVER + 0.02, 0.2) == 1
-    assert Window(start=2, cap=2).vote(1.0, 0.1) == 0  # no room under the cap
-
-
-def test_a_chunk_more_decided_raises_the_floor_until_taken_back():
-    window = Window(start=2, cap=4)
-    window.cover(1)
-    assert window.size == window.floor == 3 and window.peak == 3
-    window.shared(1.0)  # a broadcast keeps its copies at the floor: the raised one
-    assert window.size == 3
-    window.cover(0)
-    assert window.size == window.floor == 2
-    window.cover(5)  # never past the cap
-    assert window.size == window.floor == 4
