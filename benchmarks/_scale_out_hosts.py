@@ -13,6 +13,8 @@ one that holds it, nothing else running: the copy's rate against the cap), and `
 level ``partial`` until every worker holds the template; ``ready_s``: plus the same template
 at level ``full`` (each worker builds the model from its copy). The CPU seconds of every
 process during the broadcast, over the cores, show how far the cores were from binding it.
+Where its uplinks' time went in a p2p broadcast (:func:`uplink_profile`, from every copy's
+chunk timeline) is in the JSON's rows (``uplinks``) and summary.
 
 The template defaults to a random Llama of 12 MB (hidden size 256, 4 layers) and the link
 to 24 Mbit/s: a copy takes about 4 s, and the N=8 broadcast moves 90 MB, a fraction of a
@@ -23,6 +25,7 @@ the 2 cores would bind again (issue 33: 17 CPU-s in a 9.8 s broadcast on loopbac
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -121,6 +124,86 @@ def _workers(net: Any, client: Client, address: str, hosts: list, model: str) ->
     return time.perf_counter() - start
 
 
+def _timelines(dask_worker: Any) -> list[tuple[int, str, float, float]]:
+    """On a worker: the chunk timeline of the template copy it made (one template here)."""
+    store = dask_worker.extensions.get("dask-pcm-templates")
+    reports = list(store.reports.values()) if store is not None else []
+    return [tuple(t) for report in reports for t in report.timeline]
+
+
+# Steps of the uplink profile, seconds (a 512 KiB chunk takes 175 ms on a 24 Mbit/s link).
+PROFILE_STEP = 0.005
+IDLE = ("holds_nothing", "nothing_wanted", "wanted_by_full_copies", "wanted")
+
+
+def uplink_profile(
+    timelines: dict[str, list[tuple[int, str, float, float]]], window: int = 2
+) -> dict[str, float]:
+    """Where the uplinks' time went in one broadcast, from each worker's chunk timeline
+    (``FetchReport.timeline``: chunk, the peer it came from or "" for the source, asked,
+    bytes in; wall clock).
+
+    Sampled every :data:`PROFILE_STEP` from the first request to the last chunk in, over
+    every worker's uplink: ``busy`` (uploading at least one chunk), or idle because it
+    ``holds_nothing``; ``nothing_wanted`` (every other worker holds, or is fetching from
+    someone, each chunk it holds); ``wanted_by_full_copies`` (some worker lacks one of its
+    chunks and is not fetching it, but already has ``window`` chunks on the way); or
+    ``wanted`` (such a worker had a free slot: the copy and the directory missed it). Also
+    ``busy_while_source_reads`` (the busy share until the last chunk came out of the source),
+    ``source_end_s`` and ``span_s``. Shares of the uplinks' time."""
+    held: dict[str, dict[int, float]] = {}
+    fetching: dict[str, list[tuple[int, float, float]]] = {}
+    uploads: dict[str, list[tuple[float, float]]] = {w: [] for w in timelines}
+    for worker, timeline in timelines.items():
+        held[worker] = {index: end for index, _, _, end in timeline}
+        fetching[worker] = [(index, start, end) for index, _, start, end in timeline]
+        for _, peer, start, end in timeline:
+            if peer:
+                uploads.setdefault(peer, []).append((start, end))
+    events = [t for timeline in timelines.values() for _, _, a, b in timeline for t in (a, b)]
+    source = [end for timeline in timelines.values() for _, peer, _, end in timeline if not peer]
+    if not events:
+        return {}
+    first, last = min(events), max(events)
+    source_end = max(source, default=first)
+    counts = dict.fromkeys(("busy", *IDLE), 0)
+    busy_reading = samples_reading = 0
+    workers = sorted(timelines)
+    t = first
+    while t < last:
+        # Per worker: chunks on the way to it now, and their number.
+        on_way = {w: {i for i, a, b in fetching[w] if a <= t < b} for w in workers}
+        for holder in workers:
+            busy = any(a <= t < b for a, b in uploads.get(holder, ()))
+            if t < source_end:
+                samples_reading += 1
+                busy_reading += busy
+            if busy:
+                counts["busy"] += 1
+                continue
+            mine = {i for i, end in held[holder].items() if end <= t}
+            if not mine:
+                counts["holds_nothing"] += 1
+                continue
+            state = "nothing_wanted"
+            for other in workers:
+                if other == holder:
+                    continue
+                lacking = {i for i in mine if held[other].get(i, math.inf) > t} - on_way[other]
+                if lacking:
+                    state = "wanted" if len(on_way[other]) < window else "wanted_by_full_copies"
+                    if state == "wanted":
+                        break
+            counts[state] += 1
+        t += PROFILE_STEP
+    total = sum(counts.values())
+    out = {k: v / total for k, v in counts.items()}
+    out["busy_while_source_reads"] = busy_reading / samples_reading if samples_reading else 0.0
+    out["source_end_s"] = source_end - first
+    out["span_s"] = last - first
+    return out
+
+
 def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     """N hosts joining at once: the template broadcast, then the model built on each."""
     import dask
@@ -137,8 +220,12 @@ def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> d
         before = _cpu_seconds(client)
         held = _register(client, model, "partial")
         cpu = _cpu_seconds(client) - before
+        timelines = client.run(_timelines) if mode == "p2p" and n > 1 else {}
         ready = held + _register(client, model, "full")
         table = dask_pcm.status(client, ["partial"])
+    uplinks = (
+        uplink_profile(timelines, int(pcm_config.get("template.in-flight"))) if timelines else {}
+    )
     return {
         "n": n,
         "mode": mode,
@@ -151,6 +238,7 @@ def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> d
         "mean_fetch_seconds": float(table["fetch_seconds"].mean()),
         "mb_from_source": table["bytes_from_source"].sum() / 1e6,
         "mb_from_peers": table["bytes_from_peers"].sum() / 1e6,
+        **({"uplinks": uplinks} if uplinks else {}),
     }
 
 
@@ -256,7 +344,8 @@ def run(args: argparse.Namespace) -> None:
 
 def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
     """Medians and 95 % intervals over rounds: held and ready seconds per N and mode, p2p held
-    at N over N=1, source held at N over N=1, the CPU share, and the single copy's rate."""
+    at N over N=1, source held at N over N=1, the CPU share, where the uplinks' time went
+    (``uplinks_<part>``: :func:`uplink_profile`), and the single copy's rate."""
     out: list[dict[str, Any]] = []
     rounds = sorted({r["round"] for r in rows})
     key = {(r["mode"], r.get("n"), r["round"]): r for r in rows}
@@ -274,6 +363,13 @@ def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
                     series(mode, n, "held_seconds"), series(mode, 1, "held_seconds")
                 )
                 out.append({"metric": "held_over_n1", "n": n, "mode": mode, **growth})
+    for n in sizes:  # where the uplinks' time went in the p2p broadcasts
+        profiles = [key[("p2p", n, rnd)].get("uplinks") for rnd in rounds]
+        if n > 1 and all(profiles):
+            for part in profiles[0]:
+                values = [profile[part] for profile in profiles]
+                out.append({"metric": f"uplinks_{part}", "n": n, "mode": "p2p",
+                            **P.interval(values)})  # fmt: skip
     for field in ("mbit_per_s", "of_link"):
         out.append({"metric": field, "mode": "single", **P.interval(series("single", None, field))})
     return out

@@ -444,6 +444,17 @@ def _scale_out(folder: Path) -> Block:
     return Block(f"{first}\n\n{ratios}", [src])
 
 
+# Parts of the uplinks' time (benchmarks/_scale_out_hosts.py, uplink_profile) in the table.
+UPLINK_PARTS = [
+    ("busy", "busy, share of their time"),
+    ("busy_while_source_reads", "busy while the source was read"),
+    ("nothing_wanted", "idle: each chunk they held was held or on its way everywhere"),
+    ("wanted_by_full_copies", "idle: lacked only by copies with their window full"),
+    ("wanted", "idle: lacked by a copy with a free slot"),
+    ("holds_nothing", "idle: holding nothing yet"),
+]
+
+
 def _scale_out_hosts(folder: Path) -> Block:
     src = load_stamped("scale-out-hosts", folder)
     link = src.meta["link_mbit_per_s"] if src.meta else float("nan")
@@ -472,11 +483,19 @@ def _scale_out_hosts(folder: Path) -> Block:
     first = table(head, body, "rlrrrrrr")
     rate, share = (figure(src, metric=m, mode="single") for m in ("mbit_per_s", "of_link"))
     load = (src.meta or {}).get("load_average_during") or [float("nan")]
+    # Where the uplinks' time went in the largest p2p broadcast (JSON from 2026-12-07 on).
+    profiled = {e["metric"] for e in src.summary if e.get("n") == sizes[-1]}
+    uplinks = [
+        [f"p2p N={sizes[-1]}: uplinks {what}", show(figure(src, metric=f"uplinks_{part}",
+                                                          n=sizes[-1], mode="p2p"))]
+        for part, what in UPLINK_PARTS if f"uplinks_{part}" in profiled
+    ]  # fmt: skip
     facts = table(
         ["figure", "value"],
         [
             [f"one copy between two hosts, Mbit/s (link {link:g})", show(rate, ".1f")],
             ["one copy, share of the link cap", show(share, strong=True)],
+            *uplinks,
             ["template MB, chunk", f"{num(src.meta['template_mb'], '.1f')}, {src.meta['chunk']}"]
             if src.meta else ["template", "?"],
             ["1-minute load average at the variants' starts, min to max",

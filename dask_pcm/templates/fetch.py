@@ -179,6 +179,7 @@ class _Chunks:
         self.check_deadline()
         record = self.report.peers.setdefault(peer, PeerRecord())
         deadline = config.peer_deadline(self.manifest.chunk(index).length)
+        asked = time.time()
         try:
             data = await _ask_peer(self.worker, peer, self.manifest.digest, index, deadline)
         except _PeerFailed as exc:
@@ -188,6 +189,7 @@ class _Chunks:
         # A uint8 array over the buffer the comm read into (bytes from older peers); in-process
         # comms hand over the wrapper itself.
         data = memoryview(getattr(data, "data", data))
+        self.report.timeline.append((index, peer, asked, time.time()))
         arrived(index, len(data))
         try:
             await asyncio.to_thread(self.writer.write, index, data)
@@ -209,11 +211,13 @@ class _Chunks:
             raise self.failure(
                 f"chunk {index} could not be had from any peer and no source was given"
             )
+        asked = time.time()
         try:
             data = await self.reader.aread(self.source_root, self.manifest, index)
         except BaseException:
             arrived(index, 0)
             raise
+        self.report.timeline.append((index, "", asked, time.time()))
         arrived(index, len(data))
         await asyncio.to_thread(self.writer.write, index, data)
         self.report.bytes_from_source += len(data)
@@ -365,6 +369,7 @@ async def fetch(
         await reports.flush()  # the last reports reach the planner
         path = await asyncio.to_thread(writer.finish)
         store.add(path, manifest)
+        store.reports[manifest.digest] = report
     except BaseException:
         # Nothing keeps writing into a copy that is being given up.
         for task in running.values():

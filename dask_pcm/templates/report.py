@@ -36,6 +36,10 @@ class FetchReport:
     window: int = 0
     peak_window: int = 0
     peers: dict[str, PeerRecord] = field(default_factory=dict)
+    # Every chunk received: (index, the peer's address or "" for the source, when it was
+    # asked for, when its bytes were in), on the wall clock (time.time()), so that the copies
+    # of one broadcast can be laid side by side (``scale_out.py --hosts`` does).
+    timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
 
     @property
     def failed_peers(self) -> list[str]:
@@ -48,7 +52,7 @@ class FetchReport:
         return "; ".join(f"{p} {r.describe()}" for p, r in self.peers.items())
 
     def as_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "peers"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("peers", "timeline")}
         out["failed_peers"] = self.failed_peers
         out["peers"] = {p: r.describe() for p, r in self.peers.items()}
         return out

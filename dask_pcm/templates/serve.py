@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_pcm.templates.local import CopyUse
+    from dask_pcm.templates.report import FetchReport
 
 EXTENSION = "dask-pcm-templates"
 
@@ -36,6 +37,8 @@ class TemplateStore:
         self.worker = worker
         self.held: dict[str, tuple[Path, Manifest]] = {}
         self.partial: dict[str, TemplateWriter] = {}
+        # What the last copy of each template made here did (its chunks' timeline included).
+        self.reports: dict[str, FetchReport] = {}
         self._uses: dict[str, CopyUse] = {}
         limit = max_uploads or int(config.get("template.max-uploads"))
         self._uploads = asyncio.Semaphore(limit)

@@ -37,7 +37,9 @@ async def _fetch(manifest_json, dest, peers, source, dask_worker=None):
     manifest = Manifest.from_json(manifest_json)
     planner = StaticPeers(peers)
     path, report = await fetch(dask_worker, manifest, dest, source, planner=planner)
-    return str(path), report.as_dict()
+    kept = TemplateStore.of(dask_worker).reports[manifest.digest]
+    assert kept is report  # what the worker's last copy of the template did
+    return str(path), {**report.as_dict(), "timeline": report.timeline}
 
 
 def _holder_and_joiner(client: Client, manifest: Manifest, root: Path, wrap=None):
@@ -203,6 +205,11 @@ def test_a_failing_peer_is_dropped_and_the_source_finishes(inproc_cluster, templ
     assert report["chunks_from_peers"] == 3
     assert report["chunks_from_source"] == manifest.nchunks - 3
     _same_files(manifest, root, path)
+    # Each chunk received once, in its timeline: from where, when asked, when its bytes were in.
+    timeline = report["timeline"]
+    assert sorted(index for index, *_ in timeline) == list(range(manifest.nchunks))
+    assert sorted(peer for _, peer, *_ in timeline) == [""] * (manifest.nchunks - 3) + [holder] * 3
+    assert all(asked <= arrived for *_, asked, arrived in timeline)
 
 
 def test_no_peer_and_no_source_is_a_clear_error(inproc_cluster, template, tmp_path):

@@ -1,0 +1,57 @@
+"""Where a broadcast's uplink time went, from its copies' chunk timelines
+(``scale_out.py --hosts``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import _scale_out_hosts as hosts
+
+
+def test_an_uplink_is_busy_idle_for_want_of_chunks_or_idle_while_wanted():
+    # a reads chunk 0 from the source in [0, 1); b has it from a in [1, 2), c from b in
+    # [2, 3); d asks a for it only at 2.5, so a idled for half a second while d lacked it.
+    timelines = {
+        "a": [(0, "", 0.0, 1.0)],
+        "b": [(0, "a", 1.0, 2.0)],
+        "c": [(0, "b", 2.0, 3.0)],
+        "d": [(0, "a", 2.5, 3.0)],
+    }
+    profile = hosts.uplink_profile(timelines, window=2)
+    samples = 4 * 3.0  # four uplinks over three seconds
+    expected = {
+        "busy": (1.0 + 0.5 + 1.0) / samples,  # a to b, a to d, b to c
+        "wanted": 0.5 / samples,  # a while d lacked chunk 0 and fetched nothing
+        "nothing_wanted": 0.0,
+        "holds_nothing": (1.0 + 2.0 + 3.0 + 3.0) / samples,
+        "busy_while_source_reads": 0.0,  # nobody held anything before 1.0
+        "source_end_s": 1.0,
+        "span_s": 3.0,
+    }
+    for part, value in expected.items():
+        assert profile[part] == pytest.approx(value, abs=0.01), part
+
+
+def test_chunks_lacked_only_by_copies_with_full_windows_or_on_their_way_leave_it_idle():
+    # c reads chunk 1 from the source all along: with a window of one it cannot ask for
+    # chunk 0 until 2.5, when it has it from b.
+    timelines = {
+        "a": [(0, "", 0.0, 1.0)],
+        "b": [(0, "a", 1.0, 2.0)],
+        "c": [(1, "", 0.0, 3.0), (0, "b", 2.5, 3.0)],
+    }
+    profile = hosts.uplink_profile(timelines, window=1)
+    samples = 3 * 3.0
+    expected = {
+        "busy": (1.0 + 0.5) / samples,  # a to b, b to c
+        "wanted_by_full_copies": (0.5 + 0.5) / samples,  # a and b in [2, 2.5)
+        "nothing_wanted": 0.5 / samples,  # a in [2.5, 3): c gets chunk 0 from b
+        "holds_nothing": (1.0 + 2.0 + 3.0) / samples,
+        "source_end_s": 3.0,
+    }
+    for part, value in expected.items():
+        assert profile[part] == pytest.approx(value, abs=0.01), part
