@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -345,7 +346,8 @@ def run(args: argparse.Namespace) -> None:
 def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
     """Medians and 95 % intervals over rounds: held and ready seconds per N and mode, p2p held
     at N over N=1, source held at N over N=1, the CPU share, where the uplinks' time went
-    (``uplinks_<part>``: :func:`uplink_profile`), and the single copy's rate."""
+    (``uplinks_<part>``: :func:`uplink_profile`; the median and the range, as shares may be
+    0), and the single copy's rate."""
     out: list[dict[str, Any]] = []
     rounds = sorted({r["round"] for r in rows})
     key = {(r["mode"], r.get("n"), r["round"]): r for r in rows}
@@ -367,9 +369,11 @@ def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
         profiles = [key[("p2p", n, rnd)].get("uplinks") for rnd in rounds]
         if n > 1 and all(profiles):
             for part in profiles[0]:
+                # Shares, some of them 0: the median and the range over the rounds.
                 values = [profile[part] for profile in profiles]
                 out.append({"metric": f"uplinks_{part}", "n": n, "mode": "p2p",
-                            **P.interval(values)})  # fmt: skip
+                            "runs": len(values), "median": statistics.median(values),
+                            "low": min(values), "high": max(values)})  # fmt: skip
     for field in ("mbit_per_s", "of_link"):
         out.append({"metric": field, "mode": "single", **P.interval(series("single", None, field))})
     return out

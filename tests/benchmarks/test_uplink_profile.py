@@ -55,3 +55,21 @@ def test_chunks_lacked_only_by_copies_with_full_windows_or_on_their_way_leave_it
     }
     for part, value in expected.items():
         assert profile[part] == pytest.approx(value, abs=0.01), part
+
+
+def test_the_summary_gives_each_part_of_the_uplinks_time_with_its_range():
+    rows = []
+    for rnd, busy in enumerate((0.7, 0.8, 0.9)):
+        for mode in ("source", "p2p"):
+            for n in (1, 2):
+                row = {"round": rnd, "mode": mode, "n": n, "held_seconds": 4.0 * n,
+                       "seconds": 4.1 * n, "held_cpu_share": 0.1}  # fmt: skip
+                if mode == "p2p" and n == 2:
+                    row["uplinks"] = {"busy": busy, "wanted": 0.0}
+                rows.append(row)
+        rows.append({"round": rnd, "mode": "single", "mbit_per_s": 22.9, "of_link": 0.95})
+    summary = hosts.summarise(rows, [1, 2])
+    parts = {e["metric"]: e for e in summary if e["metric"].startswith("uplinks_")}
+    assert parts["uplinks_busy"]["median"] == 0.8
+    assert (parts["uplinks_busy"]["low"], parts["uplinks_busy"]["high"]) == (0.7, 0.9)
+    assert parts["uplinks_wanted"]["median"] == 0.0  # a share of 0 is a figure too
