@@ -61,6 +61,7 @@ def test_a_warned_worker_hands_its_work_back(tmp_path, tiny_model_dir):
         assert "USR2 received; asking the worker to hand its work back" in err
 
 
+@pytest.mark.soak  # 30 s: the requeued job waits out cred_expire, then a worker starts
 def test_a_requeued_job_rejoins_and_no_extra_job_is_submitted(tmp_path, tiny_model_dir):
     """The requeued job waits in the queue (SLURM's cred_expire, 10 s here) longer than
     distributed waits for a lost worker (2 s here, 15 s by default): distributed alone would
