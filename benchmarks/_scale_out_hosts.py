@@ -14,7 +14,8 @@ level ``partial`` until every worker holds the template; ``ready_s``: plus the s
 at level ``full`` (each worker builds the model from its copy). The CPU seconds of every
 process during the broadcast, over the cores, show how far the cores were from binding it.
 Where its uplinks' time went in a p2p broadcast (:func:`uplink_profile`, from every copy's
-chunk timeline) is in the JSON's rows (``uplinks``) and summary.
+chunk timeline), and how fully its downlinks carried the chunks between peers
+(:func:`downlink_profile`), are in the JSON's rows (``uplinks``, ``downlinks``) and summary.
 
 The template defaults to a random Llama of 12 MB (hidden size 256, 4 layers) and the link
 to 24 Mbit/s: a copy takes about 4 s, and the N=8 broadcast moves 90 MB, a fraction of a
@@ -25,6 +26,7 @@ the 2 cores would bind again (issue 33: 17 CPU-s in a 9.8 s broadcast on loopbac
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -205,6 +207,68 @@ def uplink_profile(
     return out
 
 
+def downlink_profile(
+    timelines: dict[str, list[tuple[int, str, float, float]]], sizes: list[int], cap: float
+) -> dict[str, float]:
+    """How well the downlinks carried what peers sent in one broadcast, from each worker's
+    chunk timeline (as :func:`uplink_profile`); ``sizes``: each chunk's bytes; ``cap``: a
+    link's bytes per second.
+
+    ``busy``: the share of the downlinks' time with at least one chunk on its way from a
+    peer (sampled every :data:`PROFILE_STEP`); ``rate_while_busy``: the bytes from peers over
+    the busy time at the cap (1: a receiving downlink always full); ``stretch`` and
+    ``stretch_p90``: a peer chunk's time, from asking to its last byte, over its time at a
+    fair share of the links (its bytes at the cap, times the most chunks its holder's
+    uplink or its downlink carried at once, on average over its time), the median and the
+    90th percentile (1: as fast as the links shared fairly allow; more: the request, the
+    holder and the transport's own ways)."""
+    transfers = [
+        (worker, peer, index, start, end)
+        for worker, timeline in timelines.items()
+        for index, peer, start, end in timeline
+        if peer and end > start
+    ]
+    if not transfers:
+        return {}
+    ups: dict[str, list[tuple[float, float]]] = {}
+    downs: dict[str, list[tuple[float, float]]] = {}
+    for worker, peer, _, start, end in transfers:
+        ups.setdefault(peer, []).append((start, end))
+        downs.setdefault(worker, []).append((start, end))
+
+    def on(intervals: list[tuple[float, float]], t: float) -> int:
+        return sum(1 for a, b in intervals if a <= t < b)
+
+    events = [t for timeline in timelines.values() for _, _, a, b in timeline for t in (a, b)]
+    first, last = min(events), max(events)
+    busy = samples = 0
+    t = first
+    while t < last:
+        for worker in timelines:
+            samples += 1
+            busy += on(downs.get(worker, []), t) > 0
+        t += PROFILE_STEP
+    stretches = []
+    for worker, peer, index, start, end in transfers:
+        shared, steps = 0, 0
+        t = start
+        while t < end:
+            shared += max(on(ups[peer], t), on(downs[worker], t))
+            steps += 1
+            t += PROFILE_STEP
+        fair = sizes[index] / cap * max(1.0, shared / max(steps, 1))
+        stretches.append((end - start) / fair)
+    stretches.sort()
+    received = sum(sizes[index] for _, _, index, _, _ in transfers)
+    busy_seconds = busy * PROFILE_STEP
+    return {
+        "busy": busy / samples if samples else 0.0,
+        "rate_while_busy": received / cap / busy_seconds if busy_seconds else 0.0,
+        "stretch": statistics.median(stretches),
+        "stretch_p90": stretches[int(0.9 * (len(stretches) - 1))],
+    }
+
+
 def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     """N hosts joining at once: the template broadcast, then the model built on each."""
     import dask
@@ -227,6 +291,11 @@ def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> d
     uplinks = (
         uplink_profile(timelines, int(pcm_config.get("template.in-flight"))) if timelines else {}
     )
+    downlinks = {}
+    if timelines:
+        manifest, _ = build_manifest(model, int(chunk_mib * (1 << 20)))
+        sizes = [manifest.chunk(i).length for i in range(manifest.nchunks)]
+        downlinks = downlink_profile(timelines, sizes, link * 1e6 / 8)
     return {
         "n": n,
         "mode": mode,
@@ -240,6 +309,7 @@ def broadcast(n: int, mode: str, model: str, link: float, chunk_mib: float) -> d
         "mb_from_source": table["bytes_from_source"].sum() / 1e6,
         "mb_from_peers": table["bytes_from_peers"].sum() / 1e6,
         **({"uplinks": uplinks} if uplinks else {}),
+        **({"downlinks": downlinks} if downlinks else {}),
     }
 
 
@@ -346,8 +416,9 @@ def run(args: argparse.Namespace) -> None:
 def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
     """Medians and 95 % intervals over rounds: held and ready seconds per N and mode, p2p held
     at N over N=1, source held at N over N=1, the CPU share, where the uplinks' time went
-    (``uplinks_<part>``: :func:`uplink_profile`; the median and the range, as shares may be
-    0), and the single copy's rate."""
+    (``uplinks_<part>``: :func:`uplink_profile`) and how the downlinks carried it
+    (``downlinks_<part>``: :func:`downlink_profile`; the median and the range, as shares may
+    be 0), and the single copy's rate."""
     out: list[dict[str, Any]] = []
     rounds = sorted({r["round"] for r in rows})
     key = {(r["mode"], r.get("n"), r["round"]): r for r in rows}
@@ -365,13 +436,14 @@ def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
                     series(mode, n, "held_seconds"), series(mode, 1, "held_seconds")
                 )
                 out.append({"metric": "held_over_n1", "n": n, "mode": mode, **growth})
-    for n in sizes:  # where the uplinks' time went in the p2p broadcasts
-        profiles = [key[("p2p", n, rnd)].get("uplinks") for rnd in rounds]
+    # Where the uplinks' time went in the p2p broadcasts, and how the downlinks carried it.
+    for n, side in itertools.product(sizes, ("uplinks", "downlinks")):
+        profiles = [key[("p2p", n, rnd)].get(side) for rnd in rounds]
         if n > 1 and all(profiles):
             for part in profiles[0]:
                 # Shares, some of them 0: the median and the range over the rounds.
                 values = [profile[part] for profile in profiles]
-                out.append({"metric": f"uplinks_{part}", "n": n, "mode": "p2p",
+                out.append({"metric": f"{side}_{part}", "n": n, "mode": "p2p",
                             "runs": len(values), "median": statistics.median(values),
                             "low": min(values), "high": max(values)})  # fmt: skip
     for field in ("mbit_per_s", "of_link"):

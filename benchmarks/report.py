@@ -453,6 +453,13 @@ UPLINK_PARTS = [
     ("wanted", "idle: lacked by a copy with a free slot"),
     ("holds_nothing", "idle: holding nothing yet"),
 ]
+# How the downlinks carried the chunks between peers (downlink_profile), in the same table.
+DOWNLINK_PARTS = [
+    ("busy", "busy (a chunk on its way from a peer), share of their time"),
+    ("rate_while_busy", "rate while busy, share of the cap"),
+    ("stretch", "a chunk's time over its time at a fair share of the links, median"),
+    ("stretch_p90", "the same, 90th percentile"),
+]
 
 
 def _scale_out_hosts(folder: Path) -> Block:
@@ -489,6 +496,10 @@ def _scale_out_hosts(folder: Path) -> Block:
         [f"p2p N={sizes[-1]}: uplinks {what}", show(figure(src, metric=f"uplinks_{part}",
                                                           n=sizes[-1], mode="p2p"))]
         for part, what in UPLINK_PARTS if f"uplinks_{part}" in profiled
+    ] + [
+        [f"p2p N={sizes[-1]}: downlinks {what}", show(figure(src, metric=f"downlinks_{part}",
+                                                            n=sizes[-1], mode="p2p"))]
+        for part, what in DOWNLINK_PARTS if f"downlinks_{part}" in profiled
     ]  # fmt: skip
     facts = table(
         ["figure", "value"],

@@ -73,3 +73,24 @@ def test_the_summary_gives_each_part_of_the_uplinks_time_with_its_range():
     assert parts["uplinks_busy"]["median"] == 0.8
     assert (parts["uplinks_busy"]["low"], parts["uplinks_busy"]["high"]) == (0.7, 0.9)
     assert parts["uplinks_wanted"]["median"] == 0.0  # a share of 0 is a figure too
+
+
+def test_downlinks_carry_chunks_at_their_fair_share_or_slower():
+    # Chunks of 10 bytes on links of 10 bytes/s. b has chunk 0 from a in [1, 2): alone on
+    # both links, at the cap. c has chunk 0 from a in [1, 3) while a also serves b in
+    # [1, 2): a fair share of a's uplink is half the cap for [1, 2), then all of it, so
+    # 1.5 s; it took 2 (a stretch of 4/3). d has chunk 0 from b in [3, 7): 4 times its 1 s.
+    timelines = {
+        "a": [(0, "", 0.0, 1.0)],
+        "b": [(0, "a", 1.0, 2.0)],
+        "c": [(0, "a", 1.0, 3.0)],
+        "d": [(0, "b", 3.0, 7.0)],
+    }
+    profile = hosts.downlink_profile(timelines, sizes=[10], cap=10.0)
+    # 4 downlinks over 7 s; receiving 1 + 2 + 4 of them; 30 bytes in those 7 s at 10 bytes/s.
+    assert profile["busy"] == pytest.approx(7.0 / 28.0, abs=0.01)
+    assert profile["rate_while_busy"] == pytest.approx(3.0 / 7.0, abs=0.01)
+    stretches = sorted([1.0, 2.0 / 1.5, 4.0])
+    assert profile["stretch"] == pytest.approx(stretches[1], abs=0.02)
+    assert profile["stretch_p90"] == pytest.approx(stretches[1], abs=0.02)  # of 3: the 2nd
+    assert hosts.downlink_profile({"a": [(0, "", 0.0, 1.0)]}, [10], 10.0) == {}
