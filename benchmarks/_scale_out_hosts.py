@@ -220,8 +220,9 @@ def downlink_profile(
     ``stretch_p90``: a peer chunk's time, from asking to its last byte, over its time at a
     fair share of the links (its bytes at the cap, times the most chunks its holder's
     uplink or its downlink carried at once, on average over its time), the median and the
-    90th percentile (1: as fast as the links shared fairly allow; more: the request, the
-    holder and the transport's own ways)."""
+    90th percentile over the chunks of at least half the largest chunk's size (1: as fast as
+    the links shared fairly allow; more: the request, the holder and the transport's own
+    ways; a file's small tail would be all request)."""
     transfers = [
         (worker, peer, index, start, end)
         for worker, timeline in timelines.items()
@@ -250,6 +251,8 @@ def downlink_profile(
         t += PROFILE_STEP
     stretches = []
     for worker, peer, index, start, end in transfers:
+        if 2 * sizes[index] < max(sizes):
+            continue
         shared, steps = 0, 0
         t = start
         while t < end:
@@ -264,8 +267,8 @@ def downlink_profile(
     return {
         "busy": busy / samples if samples else 0.0,
         "rate_while_busy": received / cap / busy_seconds if busy_seconds else 0.0,
-        "stretch": statistics.median(stretches),
-        "stretch_p90": stretches[int(0.9 * (len(stretches) - 1))],
+        "stretch": statistics.median(stretches) if stretches else math.nan,
+        "stretch_p90": stretches[int(0.9 * (len(stretches) - 1))] if stretches else math.nan,
     }
 
 

@@ -94,3 +94,7 @@ def test_downlinks_carry_chunks_at_their_fair_share_or_slower():
     assert profile["stretch"] == pytest.approx(stretches[1], abs=0.02)
     assert profile["stretch_p90"] == pytest.approx(stretches[1], abs=0.02)  # of 3: the 2nd
     assert hosts.downlink_profile({"a": [(0, "", 0.0, 1.0)]}, [10], 10.0) == {}
+    # A file's small tail (chunk 1, 1 byte) is all request: left out of the stretch.
+    timelines["d"].append((1, "a", 7.0, 8.0))
+    timelines["a"].append((1, "", 0.0, 0.5))
+    assert hosts.downlink_profile(timelines, sizes=[10, 1], cap=10.0)["stretch_p90"] < 2
