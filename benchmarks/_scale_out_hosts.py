@@ -16,6 +16,9 @@ process during the broadcast, over the cores, show how far the cores were from b
 Where its uplinks' time went in a p2p broadcast (:func:`uplink_profile`, from every copy's
 chunk timeline), and how fully its downlinks carried the chunks between peers
 (:func:`downlink_profile`), are in the JSON's rows (``uplinks``, ``downlinks``) and summary.
+The same p2p broadcasts are simulated once per round (mode ``simulated``, :func:`simulated`):
+the same plan and copy code on exactly fair links, against which the emulated links' own
+losses show.
 
 The template defaults to a random Llama of 12 MB (hidden size 256, 4 layers) and the link
 to 24 Mbit/s: a copy takes about 4 s, and the N=8 broadcast moves 90 MB, a fraction of a
@@ -51,6 +54,12 @@ DEFAULT_LINK = 24.0  # Mbit/s
 # the source alone took 3.9 s).
 CHUNK_MIB = 0.5
 MODES = ("source", "p2p")
+# The p2p broadcast is also simulated at each N, once per round (``simulated``): the same
+# directory and copy code, the same template bytes, chunks, links and source, on links
+# shared exactly fairly (dask_pcm.testing.broadcast), with a one-way delay of the emulated
+# links' order under load (docs/hosts.md). What the emulation loses beyond it, the
+# transport loses, not the plan.
+SIM_LATENCY = 0.002
 
 COLUMNS = [
     ("n", "N", "d"),
@@ -352,6 +361,33 @@ def single(model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     }
 
 
+def simulated(n: int, template_bytes: int, chunk_mib: float, link: float) -> dict[str, Any]:
+    """The p2p broadcast to ``n`` hosts in :func:`dask_pcm.testing.broadcast.simulate`, on
+    ``link`` Mbit/s links, the source at one link's rate serving reads in turn (as
+    ``pcm.template.source-bandwidth`` does here): held seconds, and the uplink and downlink
+    profiles of its chunk timelines (simulated seconds)."""
+    from dask_pcm.testing.broadcast import simulate
+
+    rate = link * 1e6 / 8
+    r = simulate(
+        n,
+        "p2p",
+        template_bytes=template_bytes,
+        chunk_size=int(chunk_mib * (1 << 20)),
+        link=rate,
+        source=rate,
+        latency=SIM_LATENCY,
+        source_model="queued",
+        scale=1 << 10,  # 512 KiB chunks of 512 bytes on disk
+    )
+    row: dict[str, Any] = {"n": n, "mode": "simulated", "held_seconds": r["seconds"]}
+    peers = {w: t for w, t in r["timelines"].items() if any(peer for _, peer, _, _ in t)}
+    if n > 1 and peers:
+        row["uplinks"] = uplink_profile(r["timelines"], int(pcm_config.get("template.in-flight")))
+        row["downlinks"] = downlink_profile(r["timelines"], r["chunk_bytes"], rate)
+    return row
+
+
 def run(args: argparse.Namespace) -> None:
     """``--hosts``: every variant in rounds, the summary, the JSON and its plot."""
     from dask_pcm.testing import hosts
@@ -391,8 +427,14 @@ def run(args: argparse.Namespace) -> None:
             else f"held {r['held_seconds']:.2f} s, ready {r['seconds']:.2f} s, "
                  f"CPU share {r['held_cpu_share']:.2f}"
         ), flush=True)  # fmt: skip
+    for rnd in range(reps):  # in one process, seconds of CPU: not interleaved
+        rows += [{"round": rnd, **simulated(n, manifest.total_bytes, chunk_mib, link)}
+                 for n in sizes]  # fmt: skip
     rows.sort(key=lambda r: (r["round"], r.get("n", 0), r["mode"]))
-    scaled = [r for r in rows if r["mode"] != "single"]
+    for r in rows:
+        if r["mode"] == "simulated":
+            print(f"  round {r['round']} simulated@{r['n']}: held {r['held_seconds']:.2f} s")
+    scaled = [r for r in rows if r["mode"] in MODES]
     h.print_table(scaled, [("round", "round", "d"), *COLUMNS])
     summary = summarise(rows, sizes)
     for entry in summary:
@@ -409,6 +451,7 @@ def run(args: argparse.Namespace) -> None:
         chunk=f"{chunk_mib:g} MiB",
         in_flight=pcm_config.get("template.in-flight"),
         max_uploads=pcm_config.get("template.max-uploads"),
+        simulated_latency_s=SIM_LATENCY,
         load_average_during=[round(x, 2) for x in load],
     )
     held = [e for e in summary if e["metric"] == "held_seconds"]
@@ -429,9 +472,12 @@ def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
     def series(mode: str, n: int | None, field: str) -> list[float]:
         return [key[(mode, n, rnd)][field] for rnd in rounds]
 
+    simulated = any(r["mode"] == "simulated" for r in rows)
     for n in sizes:
-        for mode in MODES:
-            for field in ("held_seconds", "seconds", "held_cpu_share"):
+        for mode in (*MODES, "simulated") if simulated else MODES:
+            fields = ("held_seconds",) if mode == "simulated" else (
+                "held_seconds", "seconds", "held_cpu_share")  # fmt: skip
+            for field in fields:
                 out.append({"metric": field, "n": n, "mode": mode,
                             **P.interval(series(mode, n, field))})  # fmt: skip
             if n > 1 and 1 in sizes:
@@ -440,13 +486,14 @@ def summarise(rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, An
                 )
                 out.append({"metric": "held_over_n1", "n": n, "mode": mode, **growth})
     # Where the uplinks' time went in the p2p broadcasts, and how the downlinks carried it.
-    for n, side in itertools.product(sizes, ("uplinks", "downlinks")):
-        profiles = [key[("p2p", n, rnd)].get(side) for rnd in rounds]
+    # (The simulated broadcast's too, in JSON from 2026-12-07 on.)
+    for n, side, mode in itertools.product(sizes, ("uplinks", "downlinks"), ("p2p", "simulated")):
+        profiles = [key.get((mode, n, rnd), {}).get(side) for rnd in rounds]
         if n > 1 and all(profiles):
             for part in profiles[0]:
                 # Shares, some of them 0: the median and the range over the rounds.
                 values = [profile[part] for profile in profiles]
-                out.append({"metric": f"{side}_{part}", "n": n, "mode": "p2p",
+                out.append({"metric": f"{side}_{part}", "n": n, "mode": mode,
                             "runs": len(values), "median": statistics.median(values),
                             "low": min(values), "high": max(values)})  # fmt: skip
     for field in ("mbit_per_s", "of_link"):

@@ -491,16 +491,27 @@ def _scale_out_hosts(folder: Path) -> Block:
     rate, share = (figure(src, metric=m, mode="single") for m in ("mbit_per_s", "of_link"))
     load = (src.meta or {}).get("load_average_during") or [float("nan")]
     # Where the uplinks' time went in the largest p2p broadcast (JSON from 2026-12-07 on).
-    profiled = {e["metric"] for e in src.summary if e.get("n") == sizes[-1]}
+    profiled = {(e["metric"], e.get("mode")) for e in src.summary if e.get("n") == sizes[-1]}
     uplinks = [
         [f"p2p N={sizes[-1]}: uplinks {what}", show(figure(src, metric=f"uplinks_{part}",
                                                           n=sizes[-1], mode="p2p"))]
-        for part, what in UPLINK_PARTS if f"uplinks_{part}" in profiled
+        for part, what in UPLINK_PARTS if (f"uplinks_{part}", "p2p") in profiled
     ] + [
         [f"p2p N={sizes[-1]}: downlinks {what}", show(figure(src, metric=f"downlinks_{part}",
                                                             n=sizes[-1], mode="p2p"))]
-        for part, what in DOWNLINK_PARTS if f"downlinks_{part}" in profiled
+        for part, what in DOWNLINK_PARTS if (f"downlinks_{part}", "p2p") in profiled
     ]  # fmt: skip
+    # The same broadcast simulated on exactly fair links (JSON from 2026-12-07 on).
+    if ("held_over_n1", "simulated") in profiled:
+        latency = (src.meta or {}).get("simulated_latency_s", float("nan")) * 1e3
+        uplinks += [
+            [f"simulated on fair links (one-way {latency:g} ms): p2p N={sizes[-1]} / N=1",
+             show(figure(src, metric="held_over_n1", n=sizes[-1], mode="simulated"))],
+        ] + [
+            [f"simulated N={sizes[-1]}: downlinks {what}",
+             show(figure(src, metric=f"downlinks_{part}", n=sizes[-1], mode="simulated"))]
+            for part, what in DOWNLINK_PARTS if (f"downlinks_{part}", "simulated") in profiled
+        ]  # fmt: skip
     facts = table(
         ["figure", "value"],
         [

@@ -350,6 +350,7 @@ def simulated(args: argparse.Namespace) -> None:
                 latency=args.latency,
                 source_model=args.source_model,
             )
+            del r["timelines"], r["chunk_bytes"]  # per chunk: --hosts profiles them
             r.update(
                 source_gb=r["source_bytes"] / 1e9,
                 peer_gb=r["peer_bytes"] / 1e9,

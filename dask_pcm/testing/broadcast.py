@@ -91,6 +91,7 @@ class _Comm:
         msg = self.request
         handler = self.sim.workers[self.peer].handlers[msg.pop("op")]
         msg.pop("reply", None)
+        asked = asyncio.get_running_loop().time()
         with self.sim.receiving(self.me):
             await asyncio.sleep(self.sim.network.latency)  # the request
             answer = await handler(**msg)
@@ -98,6 +99,7 @@ class _Comm:
             nbytes = len(data) * self.sim.scale
             self.sim.uploads[self.peer] = self.sim.uploads.get(self.peer, 0.0) + nbytes
             await self.sim.network.transfer((f"{self.peer}/up", f"{self.me}/down"), nbytes)
+        self.sim.arrived(self.me, msg["index"], self.peer, asked)
         return answer
 
     def abort(self) -> None:
@@ -160,17 +162,19 @@ class _SimReader(SourceReader):
     async def aread(self, root: str | os.PathLike[str], manifest: Manifest, index: int) -> bytes:
         data = read_chunk(root, manifest, index)
         nbytes = len(data) * self.sim.scale
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
         with self.sim.receiving(self.me):
             if self.sim.source_model == "shared":
                 await self.sim.network.transfer(("source", f"{self.me}/down"), nbytes)
-                return data
-            # Booked as pcm.template.source-bandwidth books a read: after those before it.
-            loop = asyncio.get_running_loop()
-            start = max(loop.time(), self.sim.source_free_at)
-            self.sim.source_free_at = start + nbytes / self.sim.network.capacity["source"]
-            moved = self.sim.network.moved
-            moved["source"] = moved.get("source", 0.0) + nbytes
-            await asyncio.sleep(self.sim.source_free_at - loop.time())
+            else:
+                # Booked as pcm.template.source-bandwidth books a read: after those before it.
+                start = max(loop.time(), self.sim.source_free_at)
+                self.sim.source_free_at = start + nbytes / self.sim.network.capacity["source"]
+                moved = self.sim.network.moved
+                moved["source"] = moved.get("source", 0.0) + nbytes
+                await asyncio.sleep(self.sim.source_free_at - loop.time())
+        self.sim.arrived(self.me, index, "", asked)
         return data
 
 
@@ -191,7 +195,15 @@ class _Simulation:
     # Chunks each worker is receiving now, and the most at once.
     in_flight: dict[str, int] = field(default_factory=dict)
     peak_in_flight: dict[str, int] = field(default_factory=dict)
+    # Each worker's chunks as FetchReport.timeline has them, in simulated seconds:
+    # (index, peer or "" for the source, asked, last byte in).
+    timelines: dict[str, list[tuple[int, str, float, float]]] = field(default_factory=dict)
     _busy_until: float = 0.0
+
+    def arrived(self, worker: str, index: int, peer: str, asked: float) -> None:
+        """``worker`` has chunk ``index``'s bytes, asked for at ``asked``, from ``peer``."""
+        now = asyncio.get_running_loop().time()
+        self.timelines.setdefault(worker, []).append((index, peer, asked, now))
 
     @contextlib.contextmanager
     def receiving(self, worker: str) -> Iterator[None]:
@@ -337,9 +349,11 @@ async def _broadcast(
         "max_peer_upload_bytes": max(uploads),
         "template_bytes": manifest.total_bytes * scale,
         "chunks": manifest.nchunks,
+        "chunk_bytes": [manifest.chunk(i).length * scale for i in range(manifest.nchunks)],
         "scheduler_seconds": sim.scheduler_seconds,
         "peak_windows": [windows[name] for name in names],
         "peak_in_flight": max(sim.peak_in_flight.values(), default=0),
+        "timelines": sim.timelines,
         "real_seconds": time.perf_counter() - real,
     }
 
@@ -374,7 +388,9 @@ def simulate(
     also ``median_seconds`` and ``first_seconds``), ``source_bytes``, ``peer_bytes``,
     ``max_peer_upload_bytes`` (the busiest uploader), ``scheduler_seconds`` (CPU time in
     the directory), ``peak_windows`` (each worker's largest window),
-    ``peak_in_flight`` (the most chunks any worker was receiving at once) and
+    ``peak_in_flight`` (the most chunks any worker was receiving at once),
+    ``chunk_bytes`` (each chunk's size), ``timelines`` (each worker's chunks, as :attr:`FetchReport.timeline
+    <dask_pcm.templates.report.FetchReport.timeline>` keeps them, in simulated seconds) and
     ``real_seconds`` (what the simulation took). ``in_flight``, ``max_in_flight`` and
     ``max_uploads`` default to their ``pcm.template`` settings.
     """

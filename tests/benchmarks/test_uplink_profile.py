@@ -98,3 +98,33 @@ def test_downlinks_carry_chunks_at_their_fair_share_or_slower():
     timelines["d"].append((1, "a", 7.0, 8.0))
     timelines["a"].append((1, "", 0.0, 0.5))
     assert hosts.downlink_profile(timelines, sizes=[10, 1], cap=10.0)["stretch_p90"] < 2
+
+
+def test_a_simulated_broadcast_moves_every_chunk_at_its_fair_share():
+    # The simulation shares each link equally between its flows, as the downlink profile's
+    # fair share has it: every full-size chunk takes that long, and no longer.
+    row = hosts.simulated(4, 6_000_000, 0.5, 24.0)
+    assert row["mode"] == "simulated" and row["held_seconds"] > 6e6 * 8 / 24e6
+    assert row["downlinks"]["stretch"] == pytest.approx(1.0, abs=0.05)
+    assert row["downlinks"]["stretch_p90"] == pytest.approx(1.0, abs=0.05)
+    assert 0 < row["downlinks"]["rate_while_busy"] <= 1.0
+    assert 0 < row["uplinks"]["busy"] < 1.0
+
+
+def test_the_summary_sets_the_simulated_broadcast_beside_the_measured_one():
+    rows = []
+    for rnd in range(3):
+        for mode in ("source", "p2p", "simulated"):
+            for n in (1, 2):
+                row = {"round": rnd, "mode": mode, "n": n, "held_seconds": (4.0 + rnd) * n}
+                if mode != "simulated":
+                    row.update(seconds=4.1 * n, held_cpu_share=0.1)
+                if n == 2 and mode != "source":
+                    row["downlinks"] = {"stretch": 1.0 if mode == "simulated" else 1.5 + rnd}
+                rows.append(row)
+        rows.append({"round": rnd, "mode": "single", "mbit_per_s": 22.9, "of_link": 0.95})
+    summary = {(e["metric"], e["mode"]): e for e in hosts.summarise(rows, [1, 2])}
+    assert summary[("held_over_n1", "simulated")]["median"] == pytest.approx(2.0)
+    assert summary[("downlinks_stretch", "simulated")]["median"] == 1.0
+    assert summary[("downlinks_stretch", "p2p")]["median"] == 2.5
+    assert ("seconds", "simulated") not in summary  # nothing is built in a simulation

@@ -130,3 +130,22 @@ def test_copies_together_keep_their_windows_small():
     assert max(adaptive["peak_windows"]) <= 3
     # Without Window.shared, each copy's own rate grew its window: the broadcast was slower.
     assert adaptive["seconds"] <= 1.05 * fixed["seconds"]
+
+
+def test_the_timelines_give_each_worker_every_chunk_once_no_faster_than_its_link():
+    n, template, link = 4, 12e6, 3e6
+    r = simulate(n, "p2p", template_bytes=template, chunk_size=512 << 10, link=link,
+                 source=link, latency=0.002, source_model="queued", scale=1 << 10)  # fmt: skip
+    assert sorted(r["timelines"]) == [f"sim://worker-{i}" for i in range(n)]
+    assert sum(r["chunk_bytes"]) == pytest.approx(r["template_bytes"])
+    from_source = 0
+    for worker, timeline in r["timelines"].items():
+        assert sorted(index for index, *_ in timeline) == list(range(r["chunks"])), worker
+        for index, peer, asked, done in timeline:
+            assert 0 <= asked < done <= r["seconds"] + 1e-9
+            assert peer != worker
+            if peer:  # over the holder's uplink and this downlink, after the request
+                assert done - asked >= r["chunk_bytes"][index] / link
+            else:
+                from_source += 1
+    assert from_source == r["chunks"]  # the source read once
