@@ -381,8 +381,7 @@ def simulated(n: int, template_bytes: int, chunk_mib: float, link: float) -> dic
         scale=1 << 10,  # 512 KiB chunks of 512 bytes on disk
     )
     row: dict[str, Any] = {"n": n, "mode": "simulated", "held_seconds": r["seconds"]}
-    peers = {w: t for w, t in r["timelines"].items() if any(peer for _, peer, _, _ in t)}
-    if n > 1 and peers:
+    if n > 1:  # chunks passed between peers to profile
         row["uplinks"] = uplink_profile(r["timelines"], int(pcm_config.get("template.in-flight")))
         row["downlinks"] = downlink_profile(r["timelines"], r["chunk_bytes"], rate)
     return row

@@ -440,10 +440,14 @@ class Dispatch:
             # A call to the scheduler (a gather, a check for overdue tasks) under way when it
             # died, or when the network to it dropped, ends with its own error: a closed
             # comm, or an OSError after trying to connect for
-            # ``distributed.comm.timeouts.connect``. (A scatter whose worker died closes the
-            # comm too; _send tells that apart and tries again.)
+            # ``distributed.comm.timeouts.connect``. Once the client has given up
+            # reconnecting and closed, the next call fails on what closing took away (a
+            # RuntimeError from its closed connection pool, an AttributeError on its
+            # scheduler, now None): whatever it is, the scheduler is what was lost. (A
+            # scatter whose worker died closes the comm too; _send tells that apart and
+            # tries again.)
             closed = isinstance(exc, CommClosedError)
-            lost = closed or (isinstance(exc, OSError) and self.client.status != "running")
+            lost = closed or (isinstance(exc, Exception) and self.client.status != "running")
             if not lost and self.client.status == "running":
                 self.client.cancel(list(self._running))
             self._running.clear()

@@ -60,11 +60,22 @@ def scheduler_answers(client: Client, timeout: float = 5 * TICK) -> bool:
 
 def scheduler_lost(client: Client, why: str) -> ClusterLostError:
     """The error for a run whose client lost its scheduler, naming its address."""
-    address = getattr(client.scheduler, "address", None) or "unknown"
     return ClusterLostError(
-        f"lost the connection to the scheduler at {address} ({why}): the scheduler died, "
-        "or the network to it dropped"
+        f"lost the connection to the scheduler at {scheduler_address(client)} ({why}): the "
+        "scheduler died, or the network to it dropped"
     )
+
+
+def scheduler_address(client: Client) -> str:
+    """The address of ``client``'s scheduler, also once the client closed (its ``scheduler``
+    is None then, and what the scheduler told it forgotten): its cluster's, or the address
+    it was started with."""
+    address = getattr(client.scheduler, "address", None)
+    if not address:
+        address = getattr(client.cluster, "scheduler_address", None)
+    if not address and isinstance(getattr(client, "_start_arg", None), str):
+        address = client._start_arg  # Client("tcp://...")
+    return str(address or "unknown")
 
 
 def watched_result(client: Client, future: Future) -> Any:

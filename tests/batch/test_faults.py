@@ -151,11 +151,11 @@ def test_a_killed_scheduler_is_named_not_a_cancelled_task(tmp_path, own_schedule
         assert time.monotonic() - start < 40
 
 
-def test_a_scheduler_killed_during_a_call_to_it_is_named(tmp_path, own_scheduler):
-    """A scheduler that dies while the run waits on a call to it (here the check for overdue
-    tasks, made every second when tasks have a timeout) used to end the run with the call's
-    own ``OSError: Timed out trying to connect to ...`` (seen in CI, where the kill landed
-    during such a call)."""
+def _killed_at_the_second_check(tmp_path, own_scheduler, client_gone) -> None:
+    """Run :func:`_run` with tasks timed, so that the run checks the scheduler for overdue
+    tasks every second; at the second check, kill the scheduler and wait until
+    ``client_gone(client)``, then let the check's call go on. The run must end with
+    :class:`ClusterLostError` naming the scheduler."""
     address, scheduler = own_scheduler
     settings = {"distributed.comm.timeouts.connect": "3s", "pcm.batch.task-timeout": 600}
     with dask.config.set(settings), Client(address) as client:
@@ -163,18 +163,37 @@ def test_a_scheduler_killed_during_a_call_to_it_is_named(tmp_path, own_scheduler
         call = client.run_on_scheduler
         checks = []
 
-        def killed_during(function, *args, **kwargs):
+        def killed_at_check(function, *args, **kwargs):
             if function.__name__ == "_executing":
                 checks.append(1)
                 if len(checks) == 2:  # a second into the run, units running
                     scheduler.send_signal(signal.SIGKILL)
                     scheduler.wait(30)
-                    deadline = time.monotonic() + 30
-                    while client.status == "running" and time.monotonic() < deadline:
-                        time.sleep(0.05)  # the client has seen its connection close
+                    deadline = time.monotonic() + 60
+                    while not client_gone(client) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    assert client_gone(client), client.status
             return call(function, *args, **kwargs)
 
-        client.run_on_scheduler = killed_during  # type: ignore[method-assign]
+        client.run_on_scheduler = killed_at_check  # type: ignore[method-assign]
         with pytest.raises(ClusterLostError, match=f"scheduler at {address}"):
             _run(client, tmp_path)
         assert len(checks) == 2 and (tmp_path / "started").exists()
+
+
+def test_a_scheduler_killed_during_a_call_to_it_is_named(tmp_path, own_scheduler):
+    """A scheduler that dies while the run waits on a call to it (here the check for overdue
+    tasks, made every second when tasks have a timeout) used to end the run with the call's
+    own ``OSError: Timed out trying to connect to ...`` (seen in CI, where the kill landed
+    during such a call)."""
+    # The call goes on once the client has seen its connection close (it reconnects).
+    _killed_at_the_second_check(tmp_path, own_scheduler, lambda c: c.status != "running")
+
+
+def test_a_scheduler_gone_until_the_client_closes_is_named(tmp_path, own_scheduler):
+    """A scheduler that stays gone until the client gives up reconnecting and closes: the
+    run's next call to it used to end the run with what the closed client raised,
+    ``AttributeError: 'NoneType' object has no attribute 'run_function'`` here, or
+    ``RuntimeError: ConnectionPool is closed`` (seen in CI, with the client's link cut for
+    30 s on the emulated hosts)."""
+    _killed_at_the_second_check(tmp_path, own_scheduler, lambda c: c.status == "closed")

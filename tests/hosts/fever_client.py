@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 
 
 def main(scheduler: str, claims: str, model: str, output: str) -> int:
@@ -27,6 +28,8 @@ def main(scheduler: str, claims: str, model: str, output: str) -> int:
             progress=False,
         )
     except Exception as exc:
+        traceback.print_exc()  # for the log; the last line is what the test reads
+        sys.stderr.flush()
         print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
         return 1
     print(json.dumps(result.report["units"]), flush=True)
