@@ -10,6 +10,7 @@ import threading
 import time
 
 import dask
+import pytest
 from click.testing import CliRunner
 from openai.types import Batch
 
@@ -87,6 +88,7 @@ def test_the_batch_object_while_the_run_goes_and_at_its_end(
     assert again.request_counts == final.request_counts and again.usage == final.usage
 
 
+@pytest.mark.soak  # 240 requests, run twice: among the slowest; CI runs it after the README's command
 def test_requests_past_the_completion_window_expire_and_a_rerun_answers_them(
     inproc_cluster, tiny_model_dir, tmp_path
 ):
