@@ -55,7 +55,8 @@ DEFAULT_LINK = 24.0  # Mbit/s
 CHUNK_MIB = 0.5
 MODES = ("source", "p2p")
 # The p2p broadcast is also simulated at each N, once per round (``simulated``): the same
-# directory and copy code, the same template bytes, chunks, links and source, on links
+# directory and copy code, the template's bytes in chunks of the same size (equal ones:
+# the real template's small files are chunks of their own), links and source, on links
 # shared exactly fairly (dask_pcm.testing.broadcast), with a one-way delay of the emulated
 # links' order under load (docs/hosts.md). What the emulation loses beyond it, the
 # transport loses, not the plan.
