@@ -34,6 +34,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,8 @@ DEFAULT_LINK = 24.0  # Mbit/s
 CHUNK_MIB = 0.5
 MODES = ("source", "p2p")
 # The p2p broadcast is also simulated at each N, once per round (``simulated``): the same
-# directory and copy code, the template's bytes in chunks of the same size (equal ones:
-# the real template's small files are chunks of their own), links and source, on links
+# directory and copy code, the template's files cut into chunks as its manifest cuts them
+# (its small files chunks of their own), links and source, on links
 # shared exactly fairly (dask_pcm.testing.broadcast), with a one-way delay of the emulated
 # links' order under load (docs/hosts.md). What the emulation loses beyond it, the
 # transport loses, not the plan.
@@ -362,8 +363,11 @@ def single(model: str, link: float, chunk_mib: float) -> dict[str, Any]:
     }
 
 
-def simulated(n: int, template_bytes: int, chunk_mib: float, link: float) -> dict[str, Any]:
-    """The p2p broadcast to ``n`` hosts in :func:`dask_pcm.testing.broadcast.simulate`, on
+def simulated(
+    n: int, file_bytes: int | Sequence[int], chunk_mib: float, link: float
+) -> dict[str, Any]:
+    """The p2p broadcast to ``n`` hosts of a template of ``file_bytes`` (each file's size,
+    cut into chunks as its manifest cuts it) in :func:`dask_pcm.testing.broadcast.simulate`, on
     ``link`` Mbit/s links, the source at one link's rate serving reads in turn (as
     ``pcm.template.source-bandwidth`` does here): held seconds, and the uplink and downlink
     profiles of its chunk timelines (simulated seconds)."""
@@ -373,7 +377,7 @@ def simulated(n: int, template_bytes: int, chunk_mib: float, link: float) -> dic
     r = simulate(
         n,
         "p2p",
-        template_bytes=template_bytes,
+        template_bytes=file_bytes,
         chunk_size=int(chunk_mib * (1 << 20)),
         link=rate,
         source=rate,
@@ -427,8 +431,9 @@ def run(args: argparse.Namespace) -> None:
             else f"held {r['held_seconds']:.2f} s, ready {r['seconds']:.2f} s, "
                  f"CPU share {r['held_cpu_share']:.2f}"
         ), flush=True)  # fmt: skip
+    file_sizes = [f.size for f in manifest.files]
     for rnd in range(reps):  # in one process, seconds of CPU: not interleaved
-        rows += [{"round": rnd, **simulated(n, manifest.total_bytes, chunk_mib, link)}
+        rows += [{"round": rnd, **simulated(n, file_sizes, chunk_mib, link)}
                  for n in sizes]  # fmt: skip
     rows.sort(key=lambda r: (r["round"], r.get("n", 0), r["mode"]))
     for r in rows:

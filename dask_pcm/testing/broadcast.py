@@ -41,7 +41,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,29 +262,45 @@ class _Simulation:
 
 
 def synthetic_template(
-    folder: str | os.PathLike[str], template_bytes: float, chunk_size: int, scale: int
+    folder: str | os.PathLike[str],
+    template_bytes: float | Sequence[float],
+    chunk_size: int,
+    scale: int,
 ) -> tuple[Manifest, Path]:
     """A template of ``template_bytes / scale`` bytes in chunks of ``chunk_size / scale``
-    (one ``model.safetensors`` of pseudo-random bytes) and its manifest."""
+    and its manifest: one ``model.safetensors`` of pseudo-random bytes, or, given a size per
+    file (a real template's), one file of each size, each cut into chunks of its own as a
+    manifest cuts a folder (a file smaller than a chunk is a chunk alone)."""
     if chunk_size % scale:
         raise ValueError(f"chunk size {chunk_size} is not a multiple of scale {scale}")
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    size, piece = math.ceil(template_bytes / scale), chunk_size // scale
-    data = b"".join(
-        hashlib.sha256(i.to_bytes(8, "little")).digest() for i in range(math.ceil(size / 32))
-    )[:size]
-    (root / "model.safetensors").write_bytes(data)
-    chunks = tuple(hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, size, piece))
-    files = (FileEntry("model.safetensors", size, chunks),)
-    return Manifest(piece, files, _digest(piece, files)), root
+    sizes = [template_bytes] if isinstance(template_bytes, (int, float)) else list(template_bytes)
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"every file needs a size above 0, got {sizes}")
+    piece = chunk_size // scale
+    files = []
+    for k, total in enumerate(sizes):
+        size = math.ceil(total / scale)
+        seed = k << 32
+        data = b"".join(
+            hashlib.sha256((seed + i).to_bytes(8, "little")).digest()
+            for i in range(math.ceil(size / 32))
+        )[:size]
+        name = "model.safetensors" if len(sizes) == 1 else f"file-{k:03d}.bin"
+        (root / name).write_bytes(data)
+        chunks = tuple(
+            hashlib.sha256(data[i : i + piece]).hexdigest() for i in range(0, size, piece)
+        )
+        files.append(FileEntry(name, size, chunks))
+    return Manifest(piece, tuple(files), _digest(piece, tuple(files))), root
 
 
 async def _broadcast(
     n: int,
     mode: str,
     folder: Path,
-    template_bytes: float,
+    template_bytes: float | Sequence[float],
     chunk_size: int,
     link: float,
     source: float,
@@ -362,7 +378,7 @@ def simulate(
     n: int,
     mode: str = "p2p",
     *,
-    template_bytes: float = 3.4e9,
+    template_bytes: float | Sequence[float] = 3.4e9,
     chunk_size: int = 64 << 20,
     link: float = 1e9,
     source: float = 1e9,
@@ -376,7 +392,9 @@ def simulate(
     """``n`` workers that join at once copy a template; when the last holds it, and traffic.
 
     ``mode`` ``"p2p"`` plans from the chunk directory, ``"source"`` reads everything from
-    the source. ``link`` is each worker's upload and download capacity, ``source`` the
+    the source. ``template_bytes`` is the template's size, as one file, or each file's
+    size (a real template's: ``[f.size for f in manifest.files]``), each file then cut into
+    chunks of its own as a manifest cuts a folder. ``link`` is each worker's upload and download capacity, ``source`` the
     source's, both in bytes per second; ``latency`` is one way, in seconds.
     ``source_model`` says how the source serves reads at once: ``"shared"`` (its capacity
     shared equally between them, each read crossing its reader's download link, as a

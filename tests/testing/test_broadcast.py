@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from dask_pcm.testing.broadcast import Network, VirtualClockLoop, simulate
+from dask_pcm.templates.manifest import build_manifest
+from dask_pcm.templates.tree import tree_files
+from dask_pcm.testing.broadcast import Network, VirtualClockLoop, simulate, synthetic_template
 
 GB = 1e9
 
@@ -149,3 +151,19 @@ def test_the_timelines_give_each_worker_every_chunk_once_no_faster_than_its_link
             else:
                 from_source += 1
     assert from_source == r["chunks"]  # the source read once
+
+
+def test_a_template_of_several_files_is_cut_as_its_manifest_and_copied_whole(tmp_path):
+    # A real template's shape: small files (config, tokenizer) beside the weights.
+    sizes, chunk, scale = [151, 715, 22_063, 3_000_000], 512 << 10, 1 << 10
+    manifest, root = synthetic_template(tmp_path / "t", sizes, chunk, scale)
+    built, _ = build_manifest(tree_files(root), chunk // scale)
+    assert built.digest == manifest.digest  # cut as the manifest code cuts a folder
+    assert [len(f.chunks) for f in manifest.files] == [1, 1, 1, 6]
+    r = simulate(3, "p2p", template_bytes=sizes, chunk_size=chunk, link=3e6, source=3e6,
+                 latency=0.002, source_model="queued", scale=scale)  # fmt: skip
+    assert r["chunks"] == 9
+    assert sorted(r["chunk_bytes"])[:3] == [scale, scale, 22 * scale]  # each scaled, rounded up
+    for timeline in r["timelines"].values():
+        assert sorted(index for index, *_ in timeline) == list(range(9))
+    assert r["source_bytes"] == pytest.approx(r["template_bytes"])  # the source read once
