@@ -10,6 +10,7 @@ code being identical at every context level because it reaches the model through
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing
 import os
 import re
@@ -104,16 +105,33 @@ def load_claims(path: Path | None, n: int) -> list[Claim]:
     """The first ``n`` claims of a FEVER JSON-lines file (:func:`dask_pcm.apps.fever.load_claims`).
 
     Without ``path``, reads :data:`DEFAULT_DATA` when it exists, else cycles through the
-    built-in demo claims (:func:`dask_pcm.apps.fever.demo_claims`).
+    built-in demo claims (:func:`dask_pcm.apps.fever.demo_claims`), and says so. Either way
+    the run's JSON records which (``meta.data``: :func:`_protocol.record_data`).
     """
     if path is None and not DEFAULT_DATA.is_file():
+        print(
+            f"claims: the built-in demo claims, cycled ({DEFAULT_DATA} not found; --data "
+            "names a FEVER file): not comparable with runs on the dev set",
+            flush=True,
+        )
+        _protocol.record_data(source="built-in demo claims", claims=n)
         pool = demo_claims().claims
         return [pool[i % len(pool)] for i in range(n)]
     path = path or DEFAULT_DATA
     claims = read_claims(path).claims
     if len(claims) < n:
         raise ValueError(f"{path} holds {len(claims)} claims, {n} needed")
+    _protocol.record_data(source=Path(path).name, sha256=file_sha256(path), claims=n)
     return list(claims[:n])
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes (hex), read in blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def batches(items: Sequence[Any], size: int) -> list[list[Any]]:

@@ -181,6 +181,19 @@ def _checkout() -> tuple[str | None, bool | None]:
 _COMMIT, _DIRTY = _checkout()
 
 
+# The claims a run scored, as :func:`record_data` was told (``_harness.load_claims``): the
+# file's name, SHA-256 and how many claims of it, or the built-in demo claims. A run from a
+# checkout without the FEVER dev set beside it falls back to the demo claims, whose prompts
+# are shorter: its figures are not comparable with a run on the dev set.
+_DATA: dict[str, Any] = {}
+
+
+def record_data(**what: Any) -> None:
+    """Say what claims this run scores; :func:`meta` stamps it as ``data``."""
+    _DATA.clear()
+    _DATA.update(what)
+
+
 def meta(reps: int, **extra: Any) -> dict[str, Any]:
     """What the figures of one run were measured on and with (see the module's docstring)."""
     return {
@@ -194,6 +207,7 @@ def meta(reps: int, **extra: Any) -> dict[str, Any]:
         "versions": _versions(),
         "repetitions": reps,
         "argv": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        **({"data": dict(_DATA)} if _DATA else {}),
         **extra,
     }
 

@@ -90,6 +90,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import _harness as h
+import _protocol as P
 import dask.config
 import psutil
 
@@ -120,8 +121,11 @@ COLUMNS = [
 def source_claims(path: Path | None) -> list[Claim]:
     """The claims to cycle through: ``path``, else the dev set if present, else the demo."""
     if path is None and not h.DEFAULT_DATA.is_file():
+        P.record_data(source="built-in demo claims")
         return list(demo_claims().claims)
-    return list(load_claims(path or h.DEFAULT_DATA).claims)
+    path = path or h.DEFAULT_DATA
+    P.record_data(source=Path(path).name, sha256=h.file_sha256(path))
+    return list(load_claims(path).claims)
 
 
 def write_claims(path: Path, n: int, source: Sequence[Claim]) -> None:

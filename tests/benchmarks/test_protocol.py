@@ -75,6 +75,25 @@ def test_the_json_carries_what_the_figures_were_measured_on(tmp_path):
     assert doc["rows"] == [{"level": "full", "round": 0}] and doc["summary"] == []
 
 
+def test_the_json_says_which_claims_were_scored(tmp_path, monkeypatch, capsys):
+    import _harness as h
+
+    lines = [
+        {"id": i, "claim": f"Claim {i}.", "label": "SUPPORTS", "evidence": []} for i in range(4)
+    ]
+    data = tmp_path / "dev.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert len(h.load_claims(data, 3)) == 3
+    recorded = P.meta(1)["data"]
+    assert recorded["source"] == "dev.jsonl" and recorded["claims"] == 3
+    assert recorded["sha256"] == h.file_sha256(data) and len(recorded["sha256"]) == 64
+    # Without the dev set beside the checkout, the demo claims: said, and recorded.
+    monkeypatch.setattr(h, "DEFAULT_DATA", tmp_path / "missing.jsonl")
+    assert len(h.load_claims(None, 5)) == 5
+    assert P.meta(1)["data"] == {"source": "built-in demo claims", "claims": 5}
+    assert "built-in demo claims" in capsys.readouterr().out
+
+
 def test_repetitions_default_to_three_and_one_when_quick():
     assert P.repetitions(False) == 3 and P.repetitions(True) == 1
     assert P.repetitions(True, 2) == 2
