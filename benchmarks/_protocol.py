@@ -19,8 +19,8 @@ Every benchmark that compares variants follows it:
   cancels. A ratio "clears the noise" when its interval excludes 1 (:func:`clears`).
 - **The stamp.** :func:`meta` records what a reader needs to trust a figure later: the commit
   (and whether the tree had changes), the date, the CPU model and cores, the load average
-  when the script started, the versions of the stack, the repetitions and the command line.
-  :func:`write_json` writes ``{"meta": ..., "rows": [...], "summary": ...}``.
+  when the script started, the versions of the stack, the repetitions, the command line and
+  the claims scored (:func:`record_data`). :func:`write_json` writes ``{"meta": ..., "rows": [...], "summary": ...}``.
 """
 
 from __future__ import annotations
